@@ -1,0 +1,234 @@
+//! Types shared between the BPF programs (`src/main.rs`, built for `bpfel-unknown-none`) and the
+//! userspace agent (built with the `user` feature, which adds `aya::Pod` impls).
+//!
+//! Every type here is `#[repr(C)]` plain data with explicit padding, so both sides agree on the
+//! layout byte for byte. Times are `CLOCK_MONOTONIC` nanoseconds (`bpf_ktime_get_ns`), the one
+//! time base used for ages everywhere in connreap. Idle durations come from the kernel's TCP
+//! timestamps, which are in jiffies; the programs report them as "jiffies ago" and userspace
+//! converts with the kernel's `CONFIG_HZ`.
+#![no_std]
+
+/// Linux TCP states (`include/net/tcp_states.h`).
+pub mod tcp_state {
+    pub const ESTABLISHED: u8 = 1;
+    pub const SYN_SENT: u8 = 2;
+    pub const SYN_RECV: u8 = 3;
+    pub const FIN_WAIT1: u8 = 4;
+    pub const FIN_WAIT2: u8 = 5;
+    pub const TIME_WAIT: u8 = 6;
+    pub const CLOSE: u8 = 7;
+    pub const CLOSE_WAIT: u8 = 8;
+    pub const LAST_ACK: u8 = 9;
+    pub const LISTEN: u8 = 10;
+    pub const CLOSING: u8 = 11;
+    pub const NEW_SYN_RECV: u8 = 12;
+}
+
+pub const AF_INET: u16 = 2;
+pub const AF_INET6: u16 = 10;
+pub const IPPROTO_TCP: u16 = 6;
+
+/// Names of the maps, programs and globals in the object, used by the loader.
+pub mod names {
+    pub const STATE_MAP: &str = "CONNREAP_STATE";
+    pub const EVENTS: &str = "CONNREAP_EVENTS";
+    pub const COUNTERS: &str = "CONNREAP_COUNTERS";
+    pub const OFFSETS: &str = "CONNREAP_OFFSETS";
+    pub const PROG_STATE: &str = "connreap_set_state";
+    pub const PROG_ITER_TCP: &str = "connreap_iter_tcp";
+    pub const PROG_ITER_FILES: &str = "connreap_iter_task_file";
+}
+
+/// Indexes into the per-CPU `CONNREAP_COUNTERS` array.
+pub mod counter {
+    /// State transitions seen (TCP only).
+    pub const TRANSITIONS: u32 = 0;
+    /// Transition events lost because the ring buffer was full (no reader, or reader too slow).
+    pub const RING_DROPS: u32 = 1;
+    /// Sockets not tracked because the state map was full.
+    pub const MAP_FULL: u32 = 2;
+    pub const COUNT: u32 = 3;
+}
+
+/// Capacity of the per-socket state map.
+pub const STATE_MAP_ENTRIES: u32 = 262_144;
+/// Ring buffer size for transition events (must be a power of two multiple of the page size).
+pub const EVENTS_RING_BYTES: u32 = 1 << 22;
+
+/// Byte offsets of the kernel struct members the programs read, resolved by the loader from the
+/// running kernel's BTF (`/sys/kernel/btf/vmlinux`) and written into `.rodata` before load, so the
+/// same object is correct on any kernel. `valid` is set to [`KernelOffsets::MAGIC`] by the loader;
+/// the programs do nothing while it is not.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KernelOffsets {
+    pub valid: u32,
+    // struct sock_common (at offset 0 of struct sock)
+    pub skc_daddr: u32,
+    pub skc_rcv_saddr: u32,
+    pub skc_dport: u32,
+    pub skc_num: u32,
+    pub skc_family: u32,
+    pub skc_state: u32,
+    pub skc_v6_daddr: u32,
+    pub skc_v6_rcv_saddr: u32,
+    pub skc_cookie: u32,
+    // struct sock
+    pub sk_protocol: u32,
+    pub sk_socket: u32,
+    pub sk_ack_backlog: u32,
+    pub sk_max_ack_backlog: u32,
+    // struct socket / socket_alloc / inode
+    pub socket_sk: u32,
+    /// offsetof(socket_alloc, vfs_inode) - offsetof(socket_alloc, socket)
+    pub socket_to_inode: u32,
+    pub inode_ino: u32,
+    // struct tcp_sock (inet_connection_sock at offset 0)
+    pub tcp_rcv_nxt: u32,
+    pub tcp_copied_seq: u32,
+    pub tcp_write_seq: u32,
+    pub tcp_snd_una: u32,
+    pub tcp_lsndtime: u32,
+    pub tcp_rcv_tstamp: u32,
+    /// offsetof(inet_connection_sock, icsk_ack) + offsetof(icsk_ack, lrcvtime)
+    pub icsk_lrcvtime: u32,
+    // struct task_struct
+    pub task_tgid: u32,
+    pub task_comm: u32,
+}
+
+impl KernelOffsets {
+    pub const MAGIC: u32 = 0x636f_6e6e;
+    pub const fn zeroed() -> Self {
+        KernelOffsets {
+            valid: 0,
+            skc_daddr: 0,
+            skc_rcv_saddr: 0,
+            skc_dport: 0,
+            skc_num: 0,
+            skc_family: 0,
+            skc_state: 0,
+            skc_v6_daddr: 0,
+            skc_v6_rcv_saddr: 0,
+            skc_cookie: 0,
+            sk_protocol: 0,
+            sk_socket: 0,
+            sk_ack_backlog: 0,
+            sk_max_ack_backlog: 0,
+            socket_sk: 0,
+            socket_to_inode: 0,
+            inode_ino: 0,
+            tcp_rcv_nxt: 0,
+            tcp_copied_seq: 0,
+            tcp_write_seq: 0,
+            tcp_snd_una: 0,
+            tcp_lsndtime: 0,
+            tcp_rcv_tstamp: 0,
+            icsk_lrcvtime: 0,
+            task_tgid: 0,
+            task_comm: 0,
+        }
+    }
+}
+
+/// Value of the per-socket state map, keyed by the kernel socket address (`skaddr`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateEntry {
+    /// CLOCK_MONOTONIC ns when the socket entered `state`.
+    pub since_ns: u64,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub family: u16,
+    pub sport: u16,
+    pub dport: u16,
+    pub state: u8,
+    pub _pad: u8,
+}
+
+/// One TCP state transition, sent over the `CONNREAP_EVENTS` ring buffer.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct TransitionEvent {
+    pub ts_ns: u64,
+    pub skaddr: u64,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub family: u16,
+    pub sport: u16,
+    pub dport: u16,
+    pub oldstate: u8,
+    pub newstate: u8,
+    /// Task on the CPU when the transition happened. Only meaningful for transitions a process
+    /// causes itself (connect, listen, close); FIN-driven ones run in softirq context.
+    pub pid: u32,
+    pub _pad: u32,
+    pub comm: [u8; 16],
+}
+
+/// Flags of [`SockRecord::flags`].
+pub mod sock_flags {
+    /// The socket is a full TCP socket: queues and idle times are valid.
+    pub const FULL: u8 = 1;
+    /// `state_since_ns` is known (the transition into the current state was seen).
+    pub const SINCE_KNOWN: u8 = 2;
+}
+
+/// One socket from the `iter/tcp` dump.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SockRecord {
+    pub skaddr: u64,
+    pub inode: u64,
+    pub cookie: u64,
+    /// CLOCK_MONOTONIC ns when the socket entered its current state, if `SINCE_KNOWN`.
+    pub state_since_ns: u64,
+    /// CLOCK_MONOTONIC ns when this record was written.
+    pub now_ns: u64,
+    pub saddr: [u8; 16],
+    pub daddr: [u8; 16],
+    pub family: u16,
+    /// Local port, host byte order.
+    pub sport: u16,
+    /// Remote port, host byte order.
+    pub dport: u16,
+    pub state: u8,
+    pub flags: u8,
+    pub uid: u32,
+    pub rx_queue: u32,
+    pub tx_queue: u32,
+    /// Jiffies since the last data segment was received (`icsk_ack.lrcvtime`).
+    pub last_rcv_jiffies: u32,
+    /// Jiffies since the last data segment was sent (`lsndtime`).
+    pub last_snd_jiffies: u32,
+    /// Jiffies since the last ACK was received (`rcv_tstamp`).
+    pub last_ack_jiffies: u32,
+}
+
+/// One (socket, process) pair from the `iter/task_file` dump.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OwnerRecord {
+    pub skaddr: u64,
+    pub tgid: u32,
+    pub fd: u32,
+    pub comm: [u8; 16],
+}
+
+#[cfg(feature = "user")]
+mod pod {
+    // SAFETY: all of these are #[repr(C)] structs of integers and byte arrays with explicit
+    // padding fields, so every bit pattern is valid and there are no implicit padding bytes.
+    unsafe impl aya::Pod for super::KernelOffsets {}
+    unsafe impl aya::Pod for super::StateEntry {}
+    unsafe impl aya::Pod for super::TransitionEvent {}
+    unsafe impl aya::Pod for super::SockRecord {}
+    unsafe impl aya::Pod for super::OwnerRecord {}
+}
+
+// Layouts are part of the kernel/user contract: catch accidental implicit padding.
+const _: () = assert!(core::mem::size_of::<StateEntry>() == 48);
+const _: () = assert!(core::mem::size_of::<TransitionEvent>() == 80);
+const _: () = assert!(core::mem::size_of::<SockRecord>() == 104);
+const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 26 * 4);

@@ -1,0 +1,306 @@
+//! The three programs: a tracepoint keeping per-socket state and ages, an `iter/tcp` dump of the
+//! socket table, and an `iter/task_file` dump of socket owners. Each is a thin entry that calls a
+//! `try_*` function; kernel memory is read with `bpf_probe_read_kernel` at offsets the loader
+//! resolved from the running kernel's BTF (`CONNREAP_OFFSETS`), never at build-time offsets.
+use core::ffi::c_void;
+
+use aya_ebpf::{
+    bindings::BPF_F_NO_PREALLOC,
+    helpers::{
+        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns,
+        bpf_probe_read_kernel, generated::bpf_seq_write, generated::bpf_sock_from_file,
+    },
+    macros::{map, tracepoint},
+    maps::{HashMap, PerCpuArray, RingBuf},
+    programs::TracePointContext,
+};
+use connreap_ebpf::{
+    counter, sock_flags, tcp_state, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
+    TransitionEvent, AF_INET, AF_INET6, EVENTS_RING_BYTES, IPPROTO_TCP, STATE_MAP_ENTRIES,
+};
+
+#[no_mangle]
+#[link_section = "license"]
+pub static LICENSE: [u8; 4] = *b"GPL\0";
+
+/// Set by the loader from the running kernel's BTF.
+#[no_mangle]
+static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
+
+/// Per-socket state and the time it was entered, keyed by the kernel socket address.
+#[map(name = "CONNREAP_STATE")]
+static CONNREAP_STATE: HashMap<u64, StateEntry> =
+    HashMap::pinned(STATE_MAP_ENTRIES, BPF_F_NO_PREALLOC);
+
+#[map(name = "CONNREAP_EVENTS")]
+static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
+
+#[map(name = "CONNREAP_COUNTERS")]
+static CONNREAP_COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(counter::COUNT, 0);
+
+macro_rules! off {
+    ($field:ident) => {
+        // SAFETY: a plain read of a field of a static; volatile so the loader's value is used.
+        unsafe { core::ptr::read_volatile(&CONNREAP_OFFSETS.$field) as u64 }
+    };
+}
+
+#[inline(always)]
+fn bump(index: u32) {
+    if let Some(slot) = CONNREAP_COUNTERS.get_ptr_mut(index) {
+        // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+        unsafe { *slot += 1 };
+    }
+}
+
+#[inline(always)]
+fn read<T: Default>(addr: u64) -> T {
+    // SAFETY: bpf_probe_read_kernel tolerates any address and fails cleanly.
+    unsafe { bpf_probe_read_kernel(addr as *const T) }.unwrap_or_default()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tracepoint sock/inet_sock_set_state (stable tracepoint format, see
+// /sys/kernel/tracing/events/sock/inet_sock_set_state/format).
+// ---------------------------------------------------------------------------------------------
+const TP_SKADDR: usize = 8;
+const TP_OLDSTATE: usize = 16;
+const TP_NEWSTATE: usize = 20;
+const TP_SPORT: usize = 24;
+const TP_DPORT: usize = 26;
+const TP_FAMILY: usize = 28;
+const TP_PROTOCOL: usize = 30;
+const TP_SADDR: usize = 32;
+const TP_DADDR: usize = 36;
+const TP_SADDR_V6: usize = 40;
+const TP_DADDR_V6: usize = 56;
+
+#[tracepoint]
+pub fn connreap_set_state(ctx: TracePointContext) -> u32 {
+    let _ = try_set_state(&ctx);
+    0
+}
+
+fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
+    // SAFETY: offsets are the tracepoint's documented format; read_at uses probe_read.
+    let protocol: u16 = unsafe { ctx.read_at(TP_PROTOCOL)? };
+    if protocol != IPPROTO_TCP {
+        return Ok(());
+    }
+    bump(counter::TRANSITIONS);
+    let now = unsafe { bpf_ktime_get_ns() };
+    let skaddr: u64 = unsafe { ctx.read_at(TP_SKADDR)? };
+    let oldstate: i32 = unsafe { ctx.read_at(TP_OLDSTATE)? };
+    let newstate: i32 = unsafe { ctx.read_at(TP_NEWSTATE)? };
+    let family: u16 = unsafe { ctx.read_at(TP_FAMILY)? };
+    let mut entry = StateEntry {
+        since_ns: now,
+        family,
+        sport: unsafe { ctx.read_at(TP_SPORT)? },
+        dport: unsafe { ctx.read_at(TP_DPORT)? },
+        state: newstate as u8,
+        ..Default::default()
+    };
+    if family == AF_INET6 {
+        entry.saddr = unsafe { ctx.read_at(TP_SADDR_V6)? };
+        entry.daddr = unsafe { ctx.read_at(TP_DADDR_V6)? };
+    } else {
+        let s: [u8; 4] = unsafe { ctx.read_at(TP_SADDR)? };
+        let d: [u8; 4] = unsafe { ctx.read_at(TP_DADDR)? };
+        entry.saddr[..4].copy_from_slice(&s);
+        entry.daddr[..4].copy_from_slice(&d);
+    }
+
+    if newstate as u8 == tcp_state::CLOSE {
+        let _ = CONNREAP_STATE.remove(&skaddr);
+    } else if CONNREAP_STATE.insert(&skaddr, &entry, 0).is_err() {
+        bump(counter::MAP_FULL);
+    }
+
+    match CONNREAP_EVENTS.reserve::<TransitionEvent>(0) {
+        Some(mut slot) => {
+            let pid = (bpf_get_current_pid_tgid() >> 32) as u32;
+            let comm = bpf_get_current_comm().unwrap_or_default();
+            slot.write(TransitionEvent {
+                ts_ns: now,
+                skaddr,
+                saddr: entry.saddr,
+                daddr: entry.daddr,
+                family,
+                sport: entry.sport,
+                dport: entry.dport,
+                oldstate: oldstate as u8,
+                newstate: newstate as u8,
+                pid,
+                _pad: 0,
+                comm,
+            });
+            slot.submit(0);
+        }
+        None => bump(counter::RING_DROPS),
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// iter/tcp: every TCP socket of the reader's network namespace.
+// ctx is struct bpf_iter__tcp { meta; sk_common; uid_t uid; }, each member 8-byte aligned.
+// ---------------------------------------------------------------------------------------------
+#[no_mangle]
+#[link_section = "iter/tcp"]
+pub fn connreap_iter_tcp(ctx: *mut c_void) -> i32 {
+    let _ = try_iter_tcp(ctx);
+    0
+}
+
+fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
+    if off!(valid) != KernelOffsets::MAGIC as u64 {
+        return Err(-1);
+    }
+    // SAFETY: the iterator context layout is fixed by the kernel's bpf_iter__tcp.
+    let (meta, sk, uid) = unsafe {
+        let words = ctx as *const u64;
+        (*words, *words.add(1), *(words.add(2) as *const u32))
+    };
+    if sk == 0 || meta == 0 {
+        return Ok(());
+    }
+    // SAFETY: meta points at struct bpf_iter_meta whose first member is the seq_file.
+    let seq = unsafe { *(meta as *const u64) };
+
+    let family: u16 = read(sk + off!(skc_family));
+    let state: u8 = read(sk + off!(skc_state));
+    let mut rec = SockRecord {
+        skaddr: sk,
+        now_ns: unsafe { bpf_ktime_get_ns() },
+        family,
+        state,
+        uid,
+        sport: read(sk + off!(skc_num)),
+        dport: u16::from_be(read(sk + off!(skc_dport))),
+        cookie: read(sk + off!(skc_cookie)),
+        ..Default::default()
+    };
+    if family == AF_INET {
+        let s: [u8; 4] = read(sk + off!(skc_rcv_saddr));
+        let d: [u8; 4] = read(sk + off!(skc_daddr));
+        rec.saddr[..4].copy_from_slice(&s);
+        rec.daddr[..4].copy_from_slice(&d);
+    } else if family == AF_INET6 {
+        rec.saddr = read(sk + off!(skc_v6_rcv_saddr));
+        rec.daddr = read(sk + off!(skc_v6_daddr));
+    } else {
+        return Ok(());
+    }
+
+    // TIME_WAIT and NEW_SYN_RECV entries are mini sockets: only sock_common is valid.
+    if state != tcp_state::TIME_WAIT && state != tcp_state::NEW_SYN_RECV {
+        rec.flags |= sock_flags::FULL;
+        let socket: u64 = read(sk + off!(sk_socket));
+        if socket != 0 {
+            rec.inode = read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino));
+        }
+        if state == tcp_state::LISTEN {
+            rec.rx_queue = read(sk + off!(sk_ack_backlog));
+            rec.tx_queue = read(sk + off!(sk_max_ack_backlog));
+        } else {
+            let rcv_nxt: u32 = read(sk + off!(tcp_rcv_nxt));
+            let copied: u32 = read(sk + off!(tcp_copied_seq));
+            let write_seq: u32 = read(sk + off!(tcp_write_seq));
+            let snd_una: u32 = read(sk + off!(tcp_snd_una));
+            rec.rx_queue = rcv_nxt.wrapping_sub(copied);
+            rec.tx_queue = write_seq.wrapping_sub(snd_una);
+        }
+        let now_j = unsafe { bpf_jiffies64() } as u32;
+        rec.last_rcv_jiffies = now_j.wrapping_sub(read(sk + off!(icsk_lrcvtime)));
+        rec.last_snd_jiffies = now_j.wrapping_sub(read(sk + off!(tcp_lsndtime)));
+        rec.last_ack_jiffies = now_j.wrapping_sub(read(sk + off!(tcp_rcv_tstamp)));
+        if let Some(entry) = unsafe { CONNREAP_STATE.get(&sk) } {
+            if entry.state == state {
+                rec.state_since_ns = entry.since_ns;
+                rec.flags |= sock_flags::SINCE_KNOWN;
+            }
+        }
+    }
+
+    // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.
+    let ret = unsafe {
+        bpf_seq_write(
+            seq as *mut _,
+            &rec as *const SockRecord as *const c_void,
+            core::mem::size_of::<SockRecord>() as u32,
+        )
+    };
+    if ret < 0 {
+        return Err(ret);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------------------------------------
+// iter/task_file: (socket, process) pairs, to attribute sockets to owners.
+// ctx is struct bpf_iter__task_file { meta; task; u32 fd; file; }, each member 8-byte aligned.
+// ---------------------------------------------------------------------------------------------
+#[no_mangle]
+#[link_section = "iter/task_file"]
+pub fn connreap_iter_task_file(ctx: *mut c_void) -> i32 {
+    let _ = try_iter_task_file(ctx);
+    0
+}
+
+fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
+    if off!(valid) != KernelOffsets::MAGIC as u64 {
+        return Err(-1);
+    }
+    // SAFETY: the iterator context layout is fixed by the kernel's bpf_iter__task_file.
+    let (meta, task, fd, file) = unsafe {
+        let words = ctx as *const u64;
+        (
+            *words,
+            *words.add(1),
+            *(words.add(2) as *const u32),
+            *(words.add(3) as *const *mut aya_ebpf::bindings::file),
+        )
+    };
+    if meta == 0 || task == 0 || file.is_null() {
+        return Ok(());
+    }
+    // SAFETY: `file` is the trusted pointer from the iterator context.
+    let socket = unsafe { bpf_sock_from_file(file) } as u64;
+    if socket == 0 {
+        return Ok(());
+    }
+    let sk: u64 = read(socket + off!(socket_sk));
+    if sk == 0 {
+        return Ok(());
+    }
+    let protocol: u16 = read(sk + off!(sk_protocol));
+    let family: u16 = read(sk + off!(skc_family));
+    if protocol != IPPROTO_TCP || (family != AF_INET && family != AF_INET6) {
+        return Ok(());
+    }
+    let seq = unsafe { *(meta as *const u64) };
+    let rec = OwnerRecord {
+        skaddr: sk,
+        tgid: read(task + off!(task_tgid)),
+        fd,
+        comm: read(task + off!(task_comm)),
+    };
+    let ret = unsafe {
+        bpf_seq_write(
+            seq as *mut _,
+            &rec as *const OwnerRecord as *const c_void,
+            core::mem::size_of::<OwnerRecord>() as u32,
+        )
+    };
+    if ret < 0 {
+        return Err(ret);
+    }
+    Ok(())
+}
+
+#[cfg(not(test))]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}

@@ -1,0 +1,471 @@
+//! All kernel access lives here: loading the BPF object, pinning the state tracker, running the
+//! socket and owner iterators, reading counters and transition events, and (in `diag`) netlink
+//! sock_diag. Everything above this module works on plain data.
+//!
+//! The state tracker (tracepoint + per-socket map + event ring + counters) is pinned under
+//! `/sys/fs/bpf/connreap/<object-hash>/` so that socket ages survive agent restarts and one-shot
+//! commands like `snapshot` see ages of sockets created before they ran. A new object (upgrade)
+//! gets a new directory and the stale ones are removed, which detaches the old tracker.
+pub mod offsets;
+
+use std::{
+    fs,
+    io::Read as _,
+    os::fd::AsRawFd,
+    path::{Path, PathBuf},
+};
+
+use aya::{
+    maps::{MapData, PerCpuArray, RingBuf},
+    programs::{
+        links::{FdLink, LinkError, PinnedLink},
+        Iter, TracePoint,
+    },
+    Btf, Ebpf, EbpfLoader,
+};
+use connreap_ebpf::{counter, names, OwnerRecord, SockRecord};
+
+/// The BPF object, embedded at build time (empty when `cargo xtask build-ebpf` has not run).
+static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o"));
+
+pub const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
+pub const BPFFS: &str = "/sys/fs/bpf";
+pub const TRACEFS: &str = "/sys/kernel/tracing";
+const PIN_ROOT: &str = "/sys/fs/bpf/connreap";
+
+#[derive(Debug, thiserror::Error)]
+pub enum KernelError {
+    #[error("connreap must run as root (it loads BPF programs); try: sudo connreap ...")]
+    NotRoot,
+    #[error("this binary has no BPF object embedded: build it with `cargo xtask build`")]
+    NotBuilt,
+    #[error("kernel BTF not found at {BTF_PATH}: connreap needs a kernel built with CONFIG_DEBUG_INFO_BTF=y")]
+    NoBtf,
+    #[error("{0}")]
+    Offsets(#[from] offsets::OffsetError),
+    #[error("cannot mount {fs} at {path}: {reason}")]
+    Mount {
+        fs: &'static str,
+        path: &'static str,
+        reason: String,
+    },
+    #[error("cannot prepare pin directory {path}: {reason}")]
+    Pin { path: String, reason: String },
+    #[error("loading the BPF object failed: {0}")]
+    Load(String),
+    #[error("kernel refused BPF program {program}: {reason}{hint}")]
+    Program {
+        program: &'static str,
+        reason: String,
+        hint: String,
+    },
+    #[error("running the {what} iterator failed: {reason}")]
+    Iterate { what: &'static str, reason: String },
+    #[error("BPF map {0} missing from the object")]
+    MissingMap(&'static str),
+}
+
+/// Drop counters kept by the BPF side (summed over CPUs).
+#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+pub struct Counters {
+    pub transitions: u64,
+    pub ring_drops: u64,
+    pub map_full: u64,
+}
+
+pub struct Kernel {
+    ebpf: Ebpf,
+    /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
+    pub hz: u32,
+    verbose: bool,
+}
+
+fn is_mounted(path: &str, fstype: &str) -> bool {
+    fs::read_to_string("/proc/self/mounts").is_ok_and(|m| {
+        m.lines().any(|l| {
+            let mut f = l.split_whitespace();
+            let _src = f.next();
+            f.next() == Some(path) && f.next() == Some(fstype)
+        })
+    })
+}
+
+fn ensure_mounted(fstype: &'static str, path: &'static str) -> Result<(), KernelError> {
+    if is_mounted(path, fstype) {
+        return Ok(());
+    }
+    let c = |s: &str| std::ffi::CString::new(s).unwrap_or_default();
+    let (src, target, ty) = (c(fstype), c(path), c(fstype));
+    // SAFETY: plain mount(2) with valid NUL-terminated strings.
+    let rc = unsafe {
+        libc::mount(
+            src.as_ptr(),
+            target.as_ptr(),
+            ty.as_ptr(),
+            0,
+            std::ptr::null(),
+        )
+    };
+    if rc != 0 {
+        return Err(KernelError::Mount {
+            fs: fstype,
+            path,
+            reason: std::io::Error::last_os_error().to_string(),
+        });
+    }
+    tracing::info!(fstype, path, "mounted");
+    Ok(())
+}
+
+/// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; newer ones use the memcg. Raising
+/// the limit may be refused (no CAP_SYS_RESOURCE): that is fine on new kernels.
+fn raise_memlock() {
+    let lim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
+    // SAFETY: setrlimit with a valid struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) } != 0 {
+        tracing::debug!("could not raise RLIMIT_MEMLOCK (fine on kernels >= 5.11)");
+    }
+}
+
+/// CONFIG_HZ from the kernel config, or measured from /proc/timer_list.
+fn kernel_hz() -> u32 {
+    if let Some(hz) = config_hz() {
+        return hz;
+    }
+    measure_hz().unwrap_or_else(|| {
+        tracing::warn!("cannot determine CONFIG_HZ; assuming 250 for idle times");
+        250
+    })
+}
+
+fn parse_config_hz(config: &str) -> Option<u32> {
+    config
+        .lines()
+        .find_map(|l| l.strip_prefix("CONFIG_HZ="))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+fn config_hz() -> Option<u32> {
+    if let Ok(f) = fs::File::open("/proc/config.gz") {
+        let mut s = String::new();
+        if flate2::read::GzDecoder::new(f)
+            .read_to_string(&mut s)
+            .is_ok()
+        {
+            return parse_config_hz(&s);
+        }
+    }
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    parse_config_hz(&fs::read_to_string(format!("/boot/config-{}", release.trim())).ok()?)
+}
+
+fn measure_hz() -> Option<u32> {
+    let sample = || -> Option<(u64, u64)> {
+        let t = fs::read_to_string("/proc/timer_list").ok()?;
+        let now = t
+            .lines()
+            .find_map(|l| l.strip_prefix("now at "))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        let j = t
+            .lines()
+            .find_map(|l| l.strip_prefix("jiffies: "))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some((now, j))
+    };
+    let (n0, j0) = sample()?;
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (n1, j1) = sample()?;
+    let rate = (j1 - j0) as f64 * 1e9 / (n1.checked_sub(n0)? as f64);
+    [100u32, 250, 300, 1000]
+        .into_iter()
+        .min_by_key(|hz| (*hz as f64 - rate).abs() as u64)
+}
+
+fn object_hash(object: &[u8]) -> String {
+    // FNV-1a: only needs to tell object versions apart.
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in object {
+        h ^= *b as u64;
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+fn pin_error(path: &Path, e: impl std::fmt::Display) -> KernelError {
+    KernelError::Pin {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    }
+}
+
+/// The directory for this object's pins; stale directories from other builds are removed
+/// (removing the pinned link detaches the old tracker).
+fn prepare_pin_dir() -> Result<PathBuf, KernelError> {
+    let dir = Path::new(PIN_ROOT).join(object_hash(OBJECT));
+    fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
+    if let Ok(entries) = fs::read_dir(PIN_ROOT) {
+        for e in entries.flatten() {
+            if e.path() != dir {
+                tracing::info!(path = %e.path().display(), "removing tracker pinned by another connreap build");
+                let _ = fs::remove_dir_all(e.path());
+            }
+        }
+    }
+    Ok(dir)
+}
+
+/// Remove every pin (detaches the state tracker). Used by `connreap unpin`.
+pub fn unpin_all() -> std::io::Result<bool> {
+    match fs::remove_dir_all(PIN_ROOT) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
+impl Kernel {
+    /// Load the object, (re)use the pinned state tracker and load the iterators.
+    pub fn load(verbose: bool) -> Result<Self, KernelError> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err(KernelError::NotRoot);
+        }
+        if OBJECT.is_empty() {
+            return Err(KernelError::NotBuilt);
+        }
+        if !Path::new(BTF_PATH).exists() {
+            return Err(KernelError::NoBtf);
+        }
+        ensure_mounted("bpf", BPFFS)?;
+        ensure_mounted("tracefs", TRACEFS)?;
+        raise_memlock();
+        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
+        let pin_dir = prepare_pin_dir()?;
+
+        let state_pin = pin_dir.join("state");
+        let events_pin = pin_dir.join("events");
+        let counters_pin = pin_dir.join("counters");
+        let ebpf = EbpfLoader::new()
+            .override_global(names::OFFSETS, &offsets, true)
+            .map_pin_path(names::STATE_MAP, state_pin.as_path())
+            .map_pin_path(names::EVENTS, events_pin.as_path())
+            .map_pin_path(names::COUNTERS, counters_pin.as_path())
+            .load(OBJECT)
+            .map_err(|e| KernelError::Load(full_chain(&e)))?;
+
+        let mut k = Kernel {
+            ebpf,
+            hz: kernel_hz(),
+            verbose,
+        };
+        k.attach_tracker(&pin_dir.join("link"))?;
+        let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+        for (prog, iter_type) in [
+            (names::PROG_ITER_TCP, "tcp"),
+            (names::PROG_ITER_FILES, "task_file"),
+        ] {
+            let it: &mut Iter = k.program(prog)?;
+            it.load(iter_type, &btf)
+                .map_err(|e| program_error(verbose, prog, e))?;
+        }
+        Ok(k)
+    }
+
+    fn program<T>(&mut self, name: &'static str) -> Result<&mut T, KernelError>
+    where
+        for<'a> &'a mut T: TryFrom<&'a mut aya::programs::Program>,
+    {
+        let p = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| KernelError::Load(format!("program {name} missing from the object")))?;
+        <&mut T>::try_from(p)
+            .map_err(|_| KernelError::Load(format!("program {name} has an unexpected type")))
+    }
+
+    /// Attach the state-change tracepoint unless a pinned link from an earlier run is alive.
+    fn attach_tracker(&mut self, link_pin: &Path) -> Result<(), KernelError> {
+        if PinnedLink::from_pin(link_pin).is_ok() {
+            // The pinned tracker keeps running; this load's copy of the program stays unattached.
+            return Ok(());
+        }
+        let _ = fs::remove_file(link_pin);
+        let verbose = self.verbose;
+        let tp: &mut TracePoint = self.program(names::PROG_STATE)?;
+        tp.load()
+            .map_err(|e| program_error(verbose, names::PROG_STATE, e))?;
+        let id = tp
+            .attach("sock", "inet_sock_set_state")
+            .map_err(|e| KernelError::Program {
+                program: names::PROG_STATE,
+                reason: full_chain(&e),
+                hint: String::new(),
+            })?;
+        let link = tp
+            .take_link(id)
+            .map_err(|e| KernelError::Load(e.to_string()))?;
+        let fd_link: FdLink = link.try_into().map_err(|e: LinkError| KernelError::Pin {
+            path: link_pin.display().to_string(),
+            reason: format!("tracepoint link cannot be pinned: {e}"),
+        })?;
+        match fd_link.pin(link_pin) {
+            Ok(_) => Ok(()),
+            // Another connreap pinned its tracker at the same moment: ours detaches on drop.
+            Err(_) if PinnedLink::from_pin(link_pin).is_ok() => Ok(()),
+            Err(e) => Err(pin_error(link_pin, e)),
+        }
+    }
+
+    fn run_iter(&mut self, prog: &'static str, what: &'static str) -> Result<Vec<u8>, KernelError> {
+        let err = |reason: String| KernelError::Iterate { what, reason };
+        let it: &mut Iter = self.program(prog)?;
+        let id = it.attach().map_err(|e| err(full_chain(&e)))?;
+        let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
+        let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
+        let mut buf = Vec::with_capacity(1 << 20);
+        file.read_to_end(&mut buf).map_err(|e| err(e.to_string()))?;
+        Ok(buf)
+    }
+
+    /// Every TCP socket of this network namespace.
+    pub fn dump_sockets(&mut self) -> Result<Vec<SockRecord>, KernelError> {
+        let buf = self.run_iter(names::PROG_ITER_TCP, "iter/tcp")?;
+        Ok(decode_records(&buf))
+    }
+
+    /// Every (socket, process) pair on the host.
+    pub fn dump_owners(&mut self) -> Result<Vec<OwnerRecord>, KernelError> {
+        let buf = self.run_iter(names::PROG_ITER_FILES, "iter/task_file")?;
+        Ok(decode_records(&buf))
+    }
+
+    pub fn counters(&self) -> Result<Counters, KernelError> {
+        let map = self
+            .ebpf
+            .map(names::COUNTERS)
+            .ok_or(KernelError::MissingMap(names::COUNTERS))?;
+        let arr: PerCpuArray<&MapData, u64> =
+            PerCpuArray::try_from(map).map_err(|e| KernelError::Load(e.to_string()))?;
+        let sum = |i: u32| arr.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0);
+        Ok(Counters {
+            transitions: sum(counter::TRANSITIONS),
+            ring_drops: sum(counter::RING_DROPS),
+            map_full: sum(counter::MAP_FULL),
+        })
+    }
+
+    /// The transition event ring (one consumer at a time: the daemon).
+    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, KernelError> {
+        let map = self
+            .ebpf
+            .take_map(names::EVENTS)
+            .ok_or(KernelError::MissingMap(names::EVENTS))?;
+        let ring = RingBuf::try_from(map).map_err(|e| KernelError::Load(e.to_string()))?;
+        tracing::debug!(fd = ring.as_raw_fd(), "transition ring opened");
+        Ok(ring)
+    }
+}
+
+/// Decode fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
+pub fn decode_records<T: Copy + Default>(buf: &[u8]) -> Vec<T> {
+    let size = std::mem::size_of::<T>();
+    buf.chunks_exact(size)
+        .map(|chunk| {
+            let mut v = T::default();
+            // SAFETY: T is a #[repr(C)] Pod record; chunk has exactly size_of::<T>() bytes.
+            unsafe {
+                std::ptr::copy_nonoverlapping(chunk.as_ptr(), &mut v as *mut T as *mut u8, size)
+            };
+            v
+        })
+        .collect()
+}
+
+/// A program load error: the errno and, with `-v`, the verifier log (never dumped by default).
+fn program_error(
+    verbose: bool,
+    program: &'static str,
+    e: aya::programs::ProgramError,
+) -> KernelError {
+    let (reason, hint) = match &e {
+        aya::programs::ProgramError::LoadError {
+            io_error,
+            verifier_log,
+        } => {
+            let hint = if verbose {
+                format!("\nverifier log:\n{verifier_log}")
+            } else {
+                " (run with -v for the verifier log)".to_string()
+            };
+            (io_error.to_string(), hint)
+        }
+        other => (full_chain(other), String::new()),
+    };
+    KernelError::Program {
+        program,
+        reason,
+        hint,
+    }
+}
+
+fn full_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut src = e.source();
+    while let Some(cause) = src {
+        s.push_str(": ");
+        s.push_str(&cause.to_string());
+        src = cause.source();
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decodes_records_and_ignores_partial_tail() {
+        let a = OwnerRecord {
+            skaddr: 0xffff_8880_1234_5678,
+            tgid: 42,
+            fd: 7,
+            comm: *b"java\0\0\0\0\0\0\0\0\0\0\0\0",
+        };
+        let mut buf = Vec::new();
+        for _ in 0..2 {
+            // SAFETY: reading the bytes of a Pod record.
+            buf.extend_from_slice(unsafe {
+                std::slice::from_raw_parts(
+                    &a as *const _ as *const u8,
+                    std::mem::size_of::<OwnerRecord>(),
+                )
+            });
+        }
+        buf.extend_from_slice(&[1, 2, 3]);
+        let recs: Vec<OwnerRecord> = decode_records(&buf);
+        assert_eq!(recs, vec![a, a]);
+    }
+
+    #[test]
+    fn parses_config_hz() {
+        assert_eq!(
+            parse_config_hz("# x\nCONFIG_HZ_250=y\nCONFIG_HZ=250\n"),
+            Some(250)
+        );
+        assert_eq!(parse_config_hz("CONFIG_HZ_1000=y\n"), None);
+    }
+
+    #[test]
+    fn object_hash_differs_per_content() {
+        assert_ne!(object_hash(b"a"), object_hash(b"b"));
+        assert_eq!(object_hash(b"a").len(), 16);
+    }
+}

@@ -1,0 +1,154 @@
+//! Kernel struct member offsets, resolved from the running kernel's BTF at load time and handed
+//! to the BPF programs as `.rodata` globals (rustc emits no CO-RE relocations).
+use std::path::Path;
+
+use btf_rs::{Btf, Type};
+use connreap_ebpf::KernelOffsets;
+
+#[derive(Debug, thiserror::Error)]
+pub enum OffsetError {
+    #[error(
+        "cannot read kernel BTF from {path}: {reason} (connreap needs CONFIG_DEBUG_INFO_BTF=y)"
+    )]
+    Read { path: String, reason: String },
+    #[error("kernel BTF has no struct `{0}`")]
+    NoStruct(String),
+    #[error("kernel BTF: struct `{strukt}` has no member `{member}`")]
+    NoMember { strukt: String, member: String },
+    #[error("kernel BTF: `{strukt}.{member}` is a bitfield or not byte aligned")]
+    Unaligned { strukt: String, member: String },
+}
+
+struct Resolver {
+    btf: Btf,
+}
+
+impl Resolver {
+    fn structure(&self, name: &str) -> Result<btf_rs::Struct, OffsetError> {
+        let types = self
+            .btf
+            .resolve_types_by_name(name)
+            .map_err(|_| OffsetError::NoStruct(name.into()))?;
+        types
+            .into_iter()
+            .find_map(|t| match t {
+                Type::Struct(s) if !s.members.is_empty() => Some(s),
+                _ => None,
+            })
+            .ok_or_else(|| OffsetError::NoStruct(name.into()))
+    }
+
+    /// Bit offset of `member` in `s`, looking through anonymous structs and unions.
+    fn find(&self, s: &btf_rs::Struct, member: &str) -> Option<(u32, Option<u32>, Type)> {
+        for m in &s.members {
+            let name = self.btf.resolve_name(m).unwrap_or_default();
+            let ty = self.btf.resolve_chained_type(m).ok()?;
+            if name == member {
+                return Some((m.bit_offset(), m.bitfield_size(), ty));
+            }
+            if name.is_empty() {
+                if let Type::Struct(inner) | Type::Union(inner) = &ty {
+                    if let Some((off, bits, t)) = self.find(inner, member) {
+                        return Some((m.bit_offset() + off, bits, t));
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    /// Byte offset of a dotted member path, e.g. `icsk_ack.lrcvtime`.
+    fn offset(&self, strukt: &str, path: &str) -> Result<u32, OffsetError> {
+        let err = || OffsetError::NoMember {
+            strukt: strukt.into(),
+            member: path.into(),
+        };
+        let mut current = self.structure(strukt)?;
+        let mut bits = 0;
+        let parts: Vec<&str> = path.split('.').collect();
+        for (i, part) in parts.iter().enumerate() {
+            let (off, bitfield, ty) = self.find(&current, part).ok_or_else(err)?;
+            if bitfield.is_some_and(|b| b != 0) {
+                return Err(OffsetError::Unaligned {
+                    strukt: strukt.into(),
+                    member: path.into(),
+                });
+            }
+            bits += off;
+            if i + 1 < parts.len() {
+                current = match ty {
+                    Type::Struct(s) | Type::Union(s) => s,
+                    _ => return Err(err()),
+                };
+            }
+        }
+        if bits % 8 != 0 {
+            return Err(OffsetError::Unaligned {
+                strukt: strukt.into(),
+                member: path.into(),
+            });
+        }
+        Ok(bits / 8)
+    }
+}
+
+/// Resolve every offset the programs need from the BTF file at `path`.
+pub fn resolve(path: &Path) -> Result<KernelOffsets, OffsetError> {
+    let btf = Btf::from_file(path).map_err(|e| OffsetError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let r = Resolver { btf };
+    let inode_in_alloc = r.offset("socket_alloc", "vfs_inode")?;
+    let socket_in_alloc = r.offset("socket_alloc", "socket")?;
+    Ok(KernelOffsets {
+        valid: KernelOffsets::MAGIC,
+        skc_daddr: r.offset("sock_common", "skc_daddr")?,
+        skc_rcv_saddr: r.offset("sock_common", "skc_rcv_saddr")?,
+        skc_dport: r.offset("sock_common", "skc_dport")?,
+        skc_num: r.offset("sock_common", "skc_num")?,
+        skc_family: r.offset("sock_common", "skc_family")?,
+        skc_state: r.offset("sock_common", "skc_state")?,
+        skc_v6_daddr: r.offset("sock_common", "skc_v6_daddr")?,
+        skc_v6_rcv_saddr: r.offset("sock_common", "skc_v6_rcv_saddr")?,
+        skc_cookie: r.offset("sock_common", "skc_cookie")?,
+        sk_protocol: r.offset("sock", "sk_protocol")?,
+        sk_socket: r.offset("sock", "sk_socket")?,
+        sk_ack_backlog: r.offset("sock", "sk_ack_backlog")?,
+        sk_max_ack_backlog: r.offset("sock", "sk_max_ack_backlog")?,
+        socket_sk: r.offset("socket", "sk")?,
+        socket_to_inode: inode_in_alloc.wrapping_sub(socket_in_alloc),
+        inode_ino: r.offset("inode", "i_ino")?,
+        tcp_rcv_nxt: r.offset("tcp_sock", "rcv_nxt")?,
+        tcp_copied_seq: r.offset("tcp_sock", "copied_seq")?,
+        tcp_write_seq: r.offset("tcp_sock", "write_seq")?,
+        tcp_snd_una: r.offset("tcp_sock", "snd_una")?,
+        tcp_lsndtime: r.offset("tcp_sock", "lsndtime")?,
+        tcp_rcv_tstamp: r.offset("tcp_sock", "rcv_tstamp")?,
+        icsk_lrcvtime: r.offset("inet_connection_sock", "icsk_ack.lrcvtime")?,
+        task_tgid: r.offset("task_struct", "tgid")?,
+        task_comm: r.offset("task_struct", "comm")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Runs wherever the kernel exposes BTF (no root needed: the file is world-readable).
+    #[test]
+    fn resolves_on_this_kernel() {
+        let path = Path::new("/sys/kernel/btf/vmlinux");
+        if !path.exists() {
+            eprintln!("skipped: no /sys/kernel/btf/vmlinux");
+            return;
+        }
+        let o = resolve(path).expect("offsets");
+        // sock_common starts with the address pair; skc_daddr precedes skc_rcv_saddr.
+        assert_eq!(o.skc_daddr, 0);
+        assert_eq!(o.skc_rcv_saddr, 4);
+        assert!(o.tcp_rcv_nxt > o.icsk_lrcvtime);
+        assert!(o.task_comm > o.task_tgid);
+        assert!(o.socket_to_inode > 0);
+    }
+}

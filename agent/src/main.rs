@@ -1,0 +1,101 @@
+//! connreap: finds leaked TCP connections with eBPF and, under policy, reclaims them.
+mod kernel;
+mod scan;
+mod snapshot;
+mod table;
+
+use std::{process::ExitCode, time::Duration};
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "connreap", version, about)]
+struct Cli {
+    /// More logging; on load failures, include the BPF verifier log.
+    #[arg(short, long, global = true)]
+    verbose: bool,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Print every TCP socket with its owner, age in state, idle time and queues.
+    Snapshot {
+        #[command(flatten)]
+        filter: snapshot::FilterArgs,
+        /// Machine-readable output.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove the pinned state tracker (/sys/fs/bpf/connreap): ages start over.
+    Unpin,
+}
+
+fn init_tracing(verbose: bool) {
+    let default = if verbose {
+        "connreap=debug"
+    } else {
+        "connreap=info"
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .init();
+}
+
+fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow::Result<()> {
+    let filter = filter.parse().map_err(anyhow::Error::msg)?;
+    let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
+    let table = scanner.scan()?;
+    let mut selected: Vec<&table::Socket> = table.iter().filter(|s| filter.matches(s)).collect();
+    selected.sort_by(|a, b| {
+        (a.comm(), a.pid(), a.service_port, a.state)
+            .cmp(&(b.comm(), b.pid(), b.service_port, b.state))
+            .then(b.age.cmp(&a.age))
+    });
+    let groups = snapshot::summarize(
+        &selected,
+        filter.idle_min.unwrap_or(Duration::from_secs(30)),
+    );
+    if json {
+        let out = serde_json::json!({
+            "sockets": selected,
+            "summary": groups,
+            "counters": scanner.kernel.counters()?,
+        });
+        println!("{}", serde_json::to_string_pretty(&out)?);
+    } else {
+        print!("{}", snapshot::render_table(&selected, &groups));
+    }
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    init_tracing(cli.verbose);
+    let result = match &cli.cmd {
+        Cmd::Snapshot { filter, json } => snapshot(cli.verbose, filter, *json),
+        Cmd::Unpin => kernel::unpin_all()
+            .map(|removed| {
+                eprintln!(
+                    "{}",
+                    if removed {
+                        "state tracker unpinned"
+                    } else {
+                        "nothing pinned"
+                    }
+                )
+            })
+            .map_err(Into::into),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("connreap: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

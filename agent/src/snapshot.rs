@@ -1,0 +1,342 @@
+//! Filters, grouping and rendering of the socket table (`connreap snapshot`, `GET /v1/sockets`).
+use std::{collections::HashMap, fmt::Write as _, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+use crate::table::{Socket, TcpState};
+
+/// Filters as given on the command line or in a query string (comma-separated lists).
+#[derive(Debug, Default, Clone, clap::Args, Deserialize)]
+pub struct FilterArgs {
+    /// Only these states, comma-separated (e.g. CLOSE_WAIT,ESTABLISHED).
+    #[arg(long)]
+    pub state: Option<String>,
+    /// Only sockets with this local, peer or service port (comma-separated).
+    #[arg(long)]
+    pub port: Option<String>,
+    /// Only sockets owned by these pids (comma-separated).
+    #[arg(long)]
+    pub pid: Option<String>,
+    /// Only sockets owned by processes with this command name (comma-separated).
+    #[arg(long)]
+    pub comm: Option<String>,
+    /// Only sockets idle at least this long (e.g. 30s, 5m).
+    #[arg(long = "idle-min")]
+    #[serde(alias = "idle-min")]
+    pub idle_min: Option<String>,
+}
+
+#[derive(Debug, Default, Clone, PartialEq)]
+pub struct Filter {
+    pub states: Vec<TcpState>,
+    pub ports: Vec<u16>,
+    pub pids: Vec<u32>,
+    pub comms: Vec<String>,
+    pub idle_min: Option<Duration>,
+}
+
+fn list<T>(
+    v: &Option<String>,
+    what: &str,
+    parse: impl Fn(&str) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
+    v.iter()
+        .flat_map(|s| s.split(','))
+        .map(str::trim)
+        .filter(|s| !s.is_empty())
+        .map(|s| parse(s).map_err(|e| format!("invalid {what} `{s}`: {e}")))
+        .collect()
+}
+
+impl FilterArgs {
+    pub fn parse(&self) -> Result<Filter, String> {
+        Ok(Filter {
+            states: list(&self.state, "state", |s| s.parse())?,
+            ports: list(&self.port, "port", |s| {
+                s.parse::<u16>().map_err(|e| e.to_string())
+            })?,
+            pids: list(&self.pid, "pid", |s| {
+                s.parse::<u32>().map_err(|e| e.to_string())
+            })?,
+            comms: list(&self.comm, "comm", |s| Ok(s.to_string()))?,
+            idle_min: self
+                .idle_min
+                .as_deref()
+                .map(|s| {
+                    humantime::parse_duration(s).map_err(|e| format!("invalid idle-min `{s}`: {e}"))
+                })
+                .transpose()?,
+        })
+    }
+}
+
+impl Filter {
+    pub fn matches(&self, s: &Socket) -> bool {
+        (self.states.is_empty() || self.states.contains(&s.state))
+            && (self.ports.is_empty()
+                || self
+                    .ports
+                    .iter()
+                    .any(|p| *p == s.local.port() || *p == s.peer.port() || *p == s.service_port))
+            && (self.pids.is_empty() || s.pid().is_some_and(|p| self.pids.contains(&p)))
+            && (self.comms.is_empty() || self.comms.iter().any(|c| c == s.comm()))
+            && self
+                .idle_min
+                .is_none_or(|min| s.idle.is_some_and(|idle| idle >= min))
+    }
+}
+
+/// One line of the summary: sockets grouped by (owner process, service port, state).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Group {
+    pub pid: Option<u32>,
+    pub comm: String,
+    pub unit: Option<String>,
+    pub service_port: u16,
+    pub state: TcpState,
+    pub count: usize,
+    #[serde(serialize_with = "secs")]
+    pub oldest_age_secs: Duration,
+    /// False when any age in the group is only a lower bound.
+    pub oldest_age_exact: bool,
+    pub idle_count: usize,
+}
+
+fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
+}
+
+/// Group sockets, largest group first.
+pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
+    let mut groups: HashMap<(Option<u32>, u16, TcpState), Group> = HashMap::new();
+    for s in socks {
+        let g = groups
+            .entry((s.pid(), s.service_port, s.state))
+            .or_insert_with(|| Group {
+                pid: s.pid(),
+                comm: s.comm().to_string(),
+                unit: s.owner.as_ref().and_then(|o| o.unit.clone()),
+                service_port: s.service_port,
+                state: s.state,
+                count: 0,
+                oldest_age_secs: Duration::ZERO,
+                oldest_age_exact: true,
+                idle_count: 0,
+            });
+        g.count += 1;
+        if s.age >= g.oldest_age_secs {
+            g.oldest_age_secs = s.age;
+        }
+        g.oldest_age_exact &= s.age_exact;
+        if s.idle.is_some_and(|i| i >= idle_threshold) {
+            g.idle_count += 1;
+        }
+    }
+    let mut v: Vec<Group> = groups.into_values().collect();
+    v.sort_by(|a, b| {
+        b.count
+            .cmp(&a.count)
+            .then(b.oldest_age_secs.cmp(&a.oldest_age_secs))
+            .then(a.service_port.cmp(&b.service_port))
+    });
+    v
+}
+
+/// Compact human duration: 850ms, 42s, 3m12s, 2h05m, 3d04h.
+pub fn human(d: Duration) -> String {
+    let s = d.as_secs();
+    match s {
+        0 => format!("{}ms", d.subsec_millis()),
+        1..=59 => format!("{s}s"),
+        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
+        3600..=86399 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
+        _ => format!("{}d{:02}h", s / 86400, (s % 86400) / 3600),
+    }
+}
+
+fn age_str(s: &Socket) -> String {
+    if s.age_exact {
+        human(s.age)
+    } else {
+        format!("≥{}", human(s.age))
+    }
+}
+
+pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
+    let mut rows: Vec<[String; 10]> = vec![[
+        "PID".into(),
+        "COMM".into(),
+        "UNIT".into(),
+        "LOCAL".into(),
+        "PEER".into(),
+        "STATE".into(),
+        "AGE".into(),
+        "IDLE".into(),
+        "RECV-Q".into(),
+        "SEND-Q".into(),
+    ]];
+    for s in socks {
+        rows.push([
+            s.pid().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
+            s.comm().to_string(),
+            s.owner
+                .as_ref()
+                .and_then(|o| o.unit.clone())
+                .unwrap_or_else(|| "-".into()),
+            s.local.to_string(),
+            s.peer.to_string(),
+            s.state.to_string(),
+            age_str(s),
+            s.idle.map(human).unwrap_or_else(|| "-".into()),
+            s.rx_queue.to_string(),
+            s.tx_queue.to_string(),
+        ]);
+    }
+    let mut widths = [0usize; 10];
+    for r in &rows {
+        for (w, c) in widths.iter_mut().zip(r) {
+            *w = (*w).max(c.chars().count());
+        }
+    }
+    let mut out = String::new();
+    for r in &rows {
+        let line: Vec<String> = r
+            .iter()
+            .zip(widths)
+            .map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count())))
+            .collect();
+        let _ = writeln!(out, "{}", line.join("  ").trim_end());
+    }
+    let _ = writeln!(
+        out,
+        "\n{} sockets. By owner, service port and state:",
+        socks.len()
+    );
+    for g in groups {
+        let _ = writeln!(
+            out,
+            "{:>6}  {} (pid {}{}) port {} {}, oldest {}{}",
+            g.count,
+            g.comm,
+            g.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
+            g.unit
+                .as_ref()
+                .map(|u| format!(", {u}"))
+                .unwrap_or_default(),
+            g.service_port,
+            g.state,
+            if g.oldest_age_exact { "" } else { "≥" },
+            human(g.oldest_age_secs),
+        );
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::table::{Direction, Owner};
+
+    fn sock(pid: u32, comm: &str, state: TcpState, port: u16, age: u64, idle: u64) -> Socket {
+        Socket {
+            skaddr: 1,
+            inode: 1,
+            cookie: 1,
+            local: "127.0.0.1:45000".parse().unwrap(),
+            peer: format!("127.0.0.1:{port}").parse().unwrap(),
+            state,
+            age: Duration::from_secs(age),
+            age_exact: true,
+            idle: Some(Duration::from_secs(idle)),
+            last_recv: None,
+            last_send: None,
+            rx_queue: 0,
+            tx_queue: 0,
+            uid: 0,
+            direction: Direction::Outbound,
+            service_port: port,
+            owner: Some(Owner {
+                pid,
+                comm: comm.into(),
+                fd: 3,
+                unit: None,
+            }),
+            shared_with: vec![],
+        }
+    }
+
+    #[test]
+    fn filters_combine() {
+        let args = FilterArgs {
+            state: Some("close_wait".into()),
+            port: Some("80".into()),
+            comm: Some("java".into()),
+            idle_min: Some("30s".into()),
+            ..Default::default()
+        };
+        let f = args.parse().unwrap();
+        assert!(f.matches(&sock(1, "java", TcpState::CloseWait, 80, 100, 60)));
+        assert!(!f.matches(&sock(1, "java", TcpState::CloseWait, 80, 100, 10)));
+        assert!(!f.matches(&sock(1, "node", TcpState::CloseWait, 80, 100, 60)));
+        assert!(!f.matches(&sock(1, "java", TcpState::Established, 80, 100, 60)));
+        assert!(!f.matches(&sock(1, "java", TcpState::CloseWait, 81, 100, 60)));
+        let pid = FilterArgs {
+            pid: Some("7,8".into()),
+            ..Default::default()
+        }
+        .parse()
+        .unwrap();
+        assert!(pid.matches(&sock(8, "x", TcpState::Listen, 1, 0, 0)));
+        assert!(!pid.matches(&sock(9, "x", TcpState::Listen, 1, 0, 0)));
+    }
+
+    #[test]
+    fn bad_filters_name_the_cause() {
+        let e = FilterArgs {
+            port: Some("http".into()),
+            ..Default::default()
+        }
+        .parse()
+        .unwrap_err();
+        assert!(e.contains("invalid port `http`"), "{e}");
+        let e = FilterArgs {
+            idle_min: Some("soon".into()),
+            ..Default::default()
+        }
+        .parse()
+        .unwrap_err();
+        assert!(e.contains("idle-min"), "{e}");
+    }
+
+    #[test]
+    fn groups_largest_first() {
+        let a: Vec<Socket> = (0..3)
+            .map(|i| sock(10, "java", TcpState::CloseWait, 80, 100 + i, 50))
+            .chain([sock(20, "node", TcpState::Established, 21000, 5, 1)])
+            .collect();
+        let refs: Vec<&Socket> = a.iter().collect();
+        let g = summarize(&refs, Duration::from_secs(30));
+        assert_eq!(g.len(), 2);
+        assert_eq!(
+            (g[0].comm.as_str(), g[0].count, g[0].idle_count),
+            ("java", 3, 3)
+        );
+        assert_eq!(g[0].oldest_age_secs, Duration::from_secs(102));
+        assert_eq!(
+            (g[1].comm.as_str(), g[1].count, g[1].idle_count),
+            ("node", 1, 0)
+        );
+        let text = render_table(&refs, &g);
+        assert!(
+            text.contains("3  java (pid 10) port 80 CLOSE_WAIT, oldest 1m42s"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn human_durations() {
+        assert_eq!(human(Duration::from_millis(850)), "850ms");
+        assert_eq!(human(Duration::from_secs(192)), "3m12s");
+        assert_eq!(human(Duration::from_secs(7500)), "2h05m");
+    }
+}

@@ -1,0 +1,137 @@
+//! `cargo xtask`: builds the BPF object and drives everything else (setup, build, run, test,
+//! bench). Every command that needs the BPF toolchain first checks it and installs what is
+//! missing, saying what it installs.
+mod bench;
+mod setup;
+
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
+
+use anyhow::{bail, Context, Result};
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(about = "Build, run and test connreap")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Install what the build needs (nightly rust-src, LLVM 22, bpf-linker). Idempotent.
+    Setup,
+    /// Compile agent-ebpf for bpfel-unknown-none.
+    BuildEbpf,
+    /// Build the BPF object and the agent (release).
+    Build,
+    /// Build and run `connreap ARGS` (as the current user; connreap needs root).
+    Run {
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// fmt check, clippy, unit tests, then the privileged end-to-end tests.
+    Test {
+        /// Only the unit tests and lints (no root needed).
+        #[arg(long)]
+        unit_only: bool,
+        /// Passed to the end-to-end test binary (e.g. a test name filter).
+        #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
+        args: Vec<String>,
+    },
+    /// Benchmarks; writes BENCHMARKS.md.
+    Bench(bench::BenchArgs),
+}
+
+pub const BPF_TARGET: &str = "bpfel-unknown-none";
+
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .parent()
+        .expect("xtask lives in the workspace")
+        .to_path_buf()
+}
+
+pub fn run(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("failed to start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
+fn cargo() -> Command {
+    let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+    c.current_dir(root());
+    c
+}
+
+pub fn build_ebpf() -> Result<()> {
+    setup::ensure()?;
+    let mut cmd = Command::new("rustup");
+    cmd.current_dir(root().join("agent-ebpf"))
+        .args(["run", "nightly", "cargo", "build", "--release"])
+        .args(["--target", BPF_TARGET, "-Z", "build-std=core"])
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env_remove("CARGO")
+        .env("AYA_BPF_TARGET_ARCH", std::env::consts::ARCH)
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
+        )
+        .env("PATH", setup::path_with_cargo_bin());
+    run(&mut cmd)
+}
+
+pub fn build_agent() -> Result<()> {
+    build_ebpf()?;
+    run(cargo().args(["build", "--release", "--package", "connreap"]))
+}
+
+pub fn agent_bin() -> PathBuf {
+    root().join("target/release/connreap")
+}
+
+fn main() -> Result<()> {
+    match Cli::parse().cmd {
+        Cmd::Setup => setup::install(),
+        Cmd::BuildEbpf => build_ebpf(),
+        Cmd::Build => build_agent(),
+        Cmd::Run { args } => {
+            build_agent()?;
+            let status = Command::new(agent_bin()).args(&args).status()?;
+            std::process::exit(status.code().unwrap_or(1));
+        }
+        Cmd::Test { unit_only, args } => {
+            build_ebpf()?;
+            run(cargo().args(["fmt", "--all", "--check"]))?;
+            run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+            run(cargo().args(["build", "--release", "--package", "connreap"]))?;
+            run(cargo().args([
+                "test",
+                "--release",
+                "--package",
+                "connreap",
+                "--package",
+                "xtask",
+            ]))?;
+            if unit_only {
+                return Ok(());
+            }
+            // Privileged end-to-end tests: one network namespace per test, run one at a time.
+            let mut cmd = cargo();
+            cmd.args(["test", "--release", "--package", "connreap-tests", "--"])
+                .args(["--test-threads=1"])
+                .args(&args)
+                .env("CONNREAP_BIN", agent_bin());
+            run(&mut cmd)
+        }
+        Cmd::Bench(args) => bench::run(args),
+    }
+}
