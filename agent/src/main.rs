@@ -1,8 +1,16 @@
 //! connreap: finds leaked TCP connections with eBPF and, under policy, reclaims them.
+mod alert;
+mod api;
+mod config;
+mod daemon;
+mod detect;
 mod kernel;
+mod metrics;
+mod quota;
 mod scan;
 mod snapshot;
 mod table;
+mod webhook;
 
 use std::{process::ExitCode, time::Duration};
 
@@ -20,6 +28,14 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
+    /// Run the agent: scan, detect, alert, serve the API.
+    Run {
+        /// Config file (default /etc/connreap/connreap.toml if present, else built-in defaults).
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+    },
+    /// Validate a config file; exit 78 with file, line and key when it is invalid.
+    CheckConfig { path: std::path::PathBuf },
     /// Print every TCP socket with its owner, age in state, idle time and queues.
     Snapshot {
         #[command(flatten)]
@@ -73,10 +89,46 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
     Ok(())
 }
 
+fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
+    let (cfg, source) = match config::load_default(path) {
+        Ok(c) => c,
+        Err(e) => {
+            eprintln!("connreap: invalid configuration: {e}");
+            return Ok(ExitCode::from(config::EX_CONFIG));
+        }
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()?;
+    rt.block_on(daemon::run(cfg, source, verbose))?;
+    Ok(ExitCode::SUCCESS)
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
     let result = match &cli.cmd {
+        Cmd::Run { config } => match run(cli.verbose, config.as_deref()) {
+            Ok(code) => return code,
+            Err(e) => Err(e),
+        },
+        Cmd::CheckConfig { path } => match config::load(path) {
+            Ok(c) => {
+                println!(
+                    "{}: ok ({} quota sources, {} webhooks, {} policies)",
+                    path.display(),
+                    c.quota.len(),
+                    c.webhook.len(),
+                    c.policy.len()
+                );
+                Ok(())
+            }
+            Err(e) => {
+                eprintln!("connreap: invalid configuration: {e}");
+                return ExitCode::from(config::EX_CONFIG);
+            }
+        },
         Cmd::Snapshot { filter, json } => snapshot(cli.verbose, filter, *json),
         Cmd::Unpin => kernel::unpin_all()
             .map(|removed| {

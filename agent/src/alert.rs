@@ -1,0 +1,185 @@
+//! Alert lifecycle: findings become firing alerts (sent once, then every repeat interval) and
+//! resolved alerts when they clear. Pure; the webhook module does the sending.
+use std::{
+    collections::BTreeMap,
+    time::{Duration, Instant},
+};
+
+use chrono::{DateTime, SecondsFormat, Utc};
+use serde::Serialize;
+
+use crate::detect::Finding;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Status {
+    Firing,
+    Resolved,
+}
+
+/// A finding as sent to webhooks and served on /v1/findings.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Alert {
+    #[serde(flatten)]
+    pub finding: Finding,
+    pub status: Status,
+    pub host: String,
+    pub started_at: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ended_at: Option<String>,
+}
+
+pub fn rfc3339(t: DateTime<Utc>) -> String {
+    t.to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+struct Active {
+    started_at: DateTime<Utc>,
+    last_sent: Instant,
+    /// The finding as last seen, sent again with status "resolved" when it clears.
+    last: Finding,
+}
+
+pub struct Tracker {
+    host: String,
+    repeat: Duration,
+    active: BTreeMap<String, Active>,
+}
+
+/// What one scan produced: the current alerts, and those to notify now.
+pub struct Update {
+    pub current: Vec<Alert>,
+    pub notify: Vec<Alert>,
+}
+
+impl Tracker {
+    pub fn new(host: String, repeat: Duration) -> Self {
+        Tracker {
+            host,
+            repeat,
+            active: BTreeMap::new(),
+        }
+    }
+
+    pub fn update(&mut self, findings: Vec<Finding>, now: Instant, wall: DateTime<Utc>) -> Update {
+        let mut current = Vec::new();
+        let mut notify = Vec::new();
+        let mut seen = std::collections::BTreeSet::new();
+        for f in findings {
+            if !seen.insert(f.fingerprint.clone()) {
+                continue; // one alert per fingerprint
+            }
+            let (active, new) = match self.active.get_mut(&f.fingerprint) {
+                Some(a) => {
+                    a.last = f.clone();
+                    (a, false)
+                }
+                None => {
+                    tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, "firing: {}", f.summary);
+                    self.active.insert(
+                        f.fingerprint.clone(),
+                        Active {
+                            started_at: wall,
+                            last_sent: now,
+                            last: f.clone(),
+                        },
+                    );
+                    (
+                        self.active.get_mut(&f.fingerprint).expect("just inserted"),
+                        true,
+                    )
+                }
+            };
+            let alert = Alert {
+                status: Status::Firing,
+                host: self.host.clone(),
+                started_at: rfc3339(active.started_at),
+                ended_at: None,
+                finding: f,
+            };
+            if new || now.duration_since(active.last_sent) >= self.repeat {
+                active.last_sent = now;
+                notify.push(alert.clone());
+            }
+            current.push(alert);
+        }
+        let gone: Vec<String> = self
+            .active
+            .keys()
+            .filter(|k| !seen.contains(*k))
+            .cloned()
+            .collect();
+        for key in gone {
+            if let Some(a) = self.active.remove(&key) {
+                tracing::info!(fingerprint = %key, "resolved");
+                notify.push(Alert {
+                    finding: a.last,
+                    status: Status::Resolved,
+                    host: self.host.clone(),
+                    started_at: rfc3339(a.started_at),
+                    ended_at: Some(rfc3339(wall)),
+                });
+            }
+        }
+        Update { current, notify }
+    }
+
+    /// Fingerprints currently firing.
+    #[cfg(test)]
+    pub fn firing(&self) -> usize {
+        self.active.len()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::detect::Kind;
+
+    fn finding(fp: &str, count: usize) -> Finding {
+        let mut f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, fp);
+        f.count = count;
+        f
+    }
+
+    #[test]
+    fn fires_once_repeats_then_resolves_with_last_content() {
+        let mut t = Tracker::new("h1".into(), Duration::from_secs(3600));
+        let t0 = Instant::now();
+        let w0 = Utc::now();
+        let u = t.update(vec![finding("a", 16)], t0, w0);
+        assert_eq!(u.notify.len(), 1);
+        assert_eq!(u.notify[0].status, Status::Firing);
+        assert_eq!(u.notify[0].host, "h1");
+        let u = t.update(vec![finding("a", 20)], t0 + Duration::from_secs(5), w0);
+        assert!(u.notify.is_empty(), "not re-sent before repeat_interval");
+        assert_eq!(u.current[0].finding.count, 20);
+        let u = t.update(vec![finding("a", 21)], t0 + Duration::from_secs(3601), w0);
+        assert_eq!(u.notify.len(), 1, "re-sent after repeat_interval");
+        let u = t.update(vec![], t0 + Duration::from_secs(3700), w0);
+        assert_eq!(u.notify.len(), 1);
+        let r = &u.notify[0];
+        assert_eq!((r.status, r.finding.count), (Status::Resolved, 21));
+        assert!(r.ended_at.is_some());
+        assert_eq!(t.firing(), 0);
+        let json = serde_json::to_value(r).unwrap();
+        for key in [
+            "kind",
+            "status",
+            "fingerprint",
+            "host",
+            "summary",
+            "service_port",
+            "count",
+            "oldest_age_secs",
+            "processes",
+            "quota",
+            "sockets",
+            "started_at",
+        ] {
+            assert!(json.get(key).is_some(), "missing {key} in {json}");
+        }
+        assert_eq!(json["status"], "resolved");
+        assert_eq!(json["kind"], "close_wait_buildup");
+    }
+}

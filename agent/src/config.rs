@@ -1,0 +1,579 @@
+//! Configuration: TOML file, every key with a commented default. `connreap.example.toml` at the
+//! repository root is the reference; a unit test keeps it equal to `Config::default()`.
+use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
+
+use serde::{Deserialize, Serialize};
+
+use crate::table::TcpState;
+
+/// Exit code for an invalid configuration (sysexits.h EX_CONFIG).
+pub const EX_CONFIG: u8 = 78;
+pub const DEFAULT_PATH: &str = "/etc/connreap/connreap.toml";
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read: {reason}")]
+    Read { path: String, reason: String },
+    #[error("{path}:{line}:{column}: {message}")]
+    Parse {
+        path: String,
+        line: usize,
+        column: usize,
+        message: String,
+    },
+    #[error("{path}: `{key}`: {message}")]
+    Invalid {
+        path: String,
+        key: String,
+        message: String,
+    },
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub agent: AgentConfig,
+    pub detect: DetectConfig,
+    pub api: ApiConfig,
+    pub alerts: AlertsConfig,
+    pub reclaim: ReclaimConfig,
+    pub quota: Vec<QuotaConfig>,
+    pub webhook: Vec<WebhookConfig>,
+    pub policy: Vec<PolicyConfig>,
+}
+
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            agent: AgentConfig::default(),
+            detect: DetectConfig::default(),
+            api: ApiConfig::default(),
+            alerts: AlertsConfig::default(),
+            reclaim: ReclaimConfig::default(),
+            // No quota sources, webhooks or policies unless configured: findings are logged
+            // and served by the API.
+            quota: Vec::new(),
+            webhook: Vec::new(),
+            policy: Vec::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AgentConfig {
+    /// Address of the HTTP API and /metrics.
+    pub listen: SocketAddr,
+    /// How often the socket table is rebuilt and the detectors run.
+    #[serde(with = "humantime_serde")]
+    pub scan_interval: Duration,
+    /// Host name reported in alerts; empty means the kernel's host name.
+    pub host: String,
+}
+
+impl Default for AgentConfig {
+    fn default() -> Self {
+        AgentConfig {
+            // Loopback only: the API exposes socket owners; put a proxy in front to share it.
+            listen: SocketAddr::from(([127, 0, 0, 1], 9477)),
+            scan_interval: Duration::from_secs(5),
+            host: String::new(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct DetectConfig {
+    /// CLOSE_WAIT younger than this is normal shutdown in progress.
+    #[serde(with = "humantime_serde")]
+    pub close_wait_min_age: Duration,
+    /// CLOSE_WAIT sockets per (process, service port) that make a finding. Any single
+    /// CLOSE_WAIT older than ten times `close_wait_min_age` makes one too.
+    pub close_wait_threshold: usize,
+    /// Both ends of a local ESTABLISHED pair idle at least this long count as stuck.
+    #[serde(with = "humantime_serde")]
+    pub stuck_pair_min_idle: Duration,
+    /// Stuck pairs per (client process, server process, service port) that make a finding.
+    pub stuck_pair_threshold: usize,
+    /// used/limit at or above this is "saturated".
+    pub quota_saturation: f64,
+    /// A connection counted against a saturated quota is "idle" after this long without data.
+    #[serde(with = "humantime_serde")]
+    pub quota_idle_min: Duration,
+    /// New outbound connections per second per (process, peer service port) that count as a
+    /// storm when the rate also grew over `storm_growth_windows` consecutive scan intervals.
+    pub storm_rate: f64,
+    pub storm_growth_windows: usize,
+}
+
+impl Default for DetectConfig {
+    fn default() -> Self {
+        DetectConfig {
+            close_wait_min_age: Duration::from_secs(30),
+            close_wait_threshold: 16,
+            stuck_pair_min_idle: Duration::from_secs(300),
+            stuck_pair_threshold: 16,
+            quota_saturation: 0.9,
+            quota_idle_min: Duration::from_secs(60),
+            storm_rate: 50.0,
+            storm_growth_windows: 2,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiConfig {
+    /// File holding the bearer token for POST /v1/reclaim; empty disables that endpoint.
+    pub token_file: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct AlertsConfig {
+    /// A firing alert is sent again this often while it keeps firing.
+    #[serde(with = "humantime_serde")]
+    pub repeat_interval: Duration,
+    /// Notifications kept while receivers are down; beyond this the oldest are dropped
+    /// (counted in connreap_webhook_dropped_total and logged).
+    pub queue_capacity: usize,
+    /// Longest wait between retries to an unreachable receiver.
+    #[serde(with = "humantime_serde")]
+    pub max_backoff: Duration,
+    /// Per-request timeout.
+    #[serde(with = "humantime_serde")]
+    pub timeout: Duration,
+}
+
+impl Default for AlertsConfig {
+    fn default() -> Self {
+        AlertsConfig {
+            repeat_interval: Duration::from_secs(3600),
+            queue_capacity: 1024,
+            max_backoff: Duration::from_secs(60),
+            timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(default, deny_unknown_fields)]
+pub struct ReclaimConfig {
+    /// Never touched, whatever a policy says.
+    pub protect_ports: Vec<u16>,
+    /// Every reclaim decision, one JSON line each; appended, never rewritten.
+    pub audit_log: String,
+}
+
+impl Default for ReclaimConfig {
+    fn default() -> Self {
+        ReclaimConfig {
+            protect_ports: vec![22],
+            audit_log: "/var/lib/connreap/audit.jsonl".into(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct QuotaConfig {
+    pub name: String,
+    // HTTP JSON source
+    pub url: Option<String>,
+    /// JSON pointer to the array of entries.
+    pub items: Option<String>,
+    pub port_field: Option<String>,
+    pub used_field: Option<String>,
+    pub limit_field: Option<String>,
+    #[serde(default, with = "humantime_serde::option")]
+    pub poll_interval: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    pub timeout: Option<Duration>,
+    /// Quota port -> local service port whose sockets carry its streams (e.g. a relay that
+    /// reports the instance port 21000 for streams arriving on its dial slot 25001).
+    #[serde(default)]
+    pub port_map: BTreeMap<String, u16>,
+    // Static source
+    /// Process (comm) whose sockets to `peer` count as used.
+    pub process: Option<String>,
+    pub peer: Option<SocketAddr>,
+    /// Fixed limit (static sources, or HTTP sources without `limit_field`).
+    pub limit: Option<u64>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WebhookFormat {
+    Json,
+    Alertmanager,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct WebhookConfig {
+    pub url: String,
+    #[serde(default = "default_format")]
+    pub format: WebhookFormat,
+}
+
+fn default_format() -> WebhookFormat {
+    WebhookFormat::Json
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum PolicyMode {
+    DryRun,
+    Enforce,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Trigger {
+    QuotaSaturated,
+    Always,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Selector {
+    pub comm: Option<String>,
+    pub pid: Option<u32>,
+    pub unit: Option<String>,
+    pub local_port: Option<u16>,
+    pub peer_port: Option<u16>,
+    pub peer: Option<SocketAddr>,
+    #[serde(default)]
+    pub states: Vec<TcpState>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PolicyConfig {
+    pub name: String,
+    #[serde(default = "default_mode")]
+    pub mode: PolicyMode,
+    pub trigger: Trigger,
+    pub quota: Option<String>,
+    pub select: Selector,
+    #[serde(default, with = "humantime_serde::option")]
+    pub min_idle: Option<Duration>,
+    #[serde(default, with = "humantime_serde::option")]
+    pub min_age: Option<Duration>,
+    #[serde(default = "default_order")]
+    pub order: String,
+    #[serde(default = "default_max_per_round")]
+    pub max_per_round: usize,
+    #[serde(default = "default_action")]
+    pub action: String,
+}
+
+fn default_mode() -> PolicyMode {
+    PolicyMode::DryRun
+}
+fn default_order() -> String {
+    "oldest-first".into()
+}
+fn default_max_per_round() -> usize {
+    8
+}
+fn default_action() -> String {
+    "destroy".into()
+}
+
+impl QuotaConfig {
+    pub fn is_http(&self) -> bool {
+        self.url.is_some()
+    }
+    /// The local service port whose sockets count against quota entry `port`.
+    pub fn socket_port(&self, port: u16) -> u16 {
+        self.port_map
+            .get(&port.to_string())
+            .copied()
+            .unwrap_or(port)
+    }
+}
+
+fn line_col(text: &str, offset: usize) -> (usize, usize) {
+    let before = &text[..offset.min(text.len())];
+    let line = before.matches('\n').count() + 1;
+    let column = before.len() - before.rfind('\n').map(|i| i + 1).unwrap_or(0) + 1;
+    (line, column)
+}
+
+/// Parse and validate a configuration text; `path` is only used in messages.
+pub fn parse(text: &str, path: &str) -> Result<Config, ConfigError> {
+    let cfg: Config = toml::from_str(text).map_err(|e| {
+        let (line, column) = e.span().map(|s| line_col(text, s.start)).unwrap_or((0, 0));
+        ConfigError::Parse {
+            path: path.into(),
+            line,
+            column,
+            message: e.message().to_string(),
+        }
+    })?;
+    validate(&cfg).map_err(|(key, message)| ConfigError::Invalid {
+        path: path.into(),
+        key,
+        message,
+    })?;
+    Ok(cfg)
+}
+
+pub fn load(path: &Path) -> Result<Config, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    parse(&text, &path.display().to_string())
+}
+
+/// `--config PATH`, else /etc/connreap/connreap.toml if it exists, else built-in defaults.
+pub fn load_default(explicit: Option<&Path>) -> Result<(Config, String), ConfigError> {
+    match explicit {
+        Some(p) => Ok((load(p)?, p.display().to_string())),
+        None if Path::new(DEFAULT_PATH).exists() => {
+            Ok((load(Path::new(DEFAULT_PATH))?, DEFAULT_PATH.to_string()))
+        }
+        None => Ok((Config::default(), "built-in defaults".into())),
+    }
+}
+
+type Invalid = (String, String);
+
+fn invalid(key: impl Into<String>, message: impl Into<String>) -> Invalid {
+    (key.into(), message.into())
+}
+
+fn validate(cfg: &Config) -> Result<(), Invalid> {
+    if cfg.agent.scan_interval < Duration::from_millis(100) {
+        return Err(invalid("agent.scan_interval", "must be at least 100ms"));
+    }
+    let d = &cfg.detect;
+    if !(d.quota_saturation > 0.0 && d.quota_saturation <= 1.0) {
+        return Err(invalid("detect.quota_saturation", "must be in (0, 1]"));
+    }
+    if d.close_wait_threshold == 0 || d.stuck_pair_threshold == 0 {
+        return Err(invalid("detect", "thresholds must be at least 1"));
+    }
+    if d.storm_rate <= 0.0 {
+        return Err(invalid("detect.storm_rate", "must be positive"));
+    }
+    if cfg.alerts.queue_capacity == 0 {
+        return Err(invalid("alerts.queue_capacity", "must be at least 1"));
+    }
+    let mut names = std::collections::HashSet::new();
+    for (i, q) in cfg.quota.iter().enumerate() {
+        let key = |k: &str| format!("quota[{i}] ({}).{k}", q.name);
+        if q.name.is_empty() || !names.insert(q.name.as_str()) {
+            return Err(invalid(
+                format!("quota[{i}].name"),
+                "must be present and unique",
+            ));
+        }
+        match (&q.url, &q.process) {
+            (Some(url), None) => {
+                if !url.starts_with("http://") && !url.starts_with("https://") {
+                    return Err(invalid(
+                        key("url"),
+                        format!("`{url}` is not an http(s) URL"),
+                    ));
+                }
+                let items = q.items.as_deref().unwrap_or("");
+                if !items.is_empty() && !items.starts_with('/') {
+                    return Err(invalid(
+                        key("items"),
+                        "must be a JSON pointer like \"/endpoints\"",
+                    ));
+                }
+                if q.port_field.is_none() || q.used_field.is_none() {
+                    return Err(invalid(
+                        key("port_field"),
+                        "HTTP sources need port_field and used_field",
+                    ));
+                }
+                if q.limit_field.is_none() && q.limit.is_none() {
+                    return Err(invalid(
+                        key("limit_field"),
+                        "set limit_field or a fixed limit",
+                    ));
+                }
+                for k in q.port_map.keys() {
+                    if k.parse::<u16>().is_err() {
+                        return Err(invalid(key("port_map"), format!("`{k}` is not a port")));
+                    }
+                }
+            }
+            (None, Some(_)) => {
+                if q.peer.is_none() || q.limit.is_none() {
+                    return Err(invalid(
+                        key("peer"),
+                        "static sources need process, peer and limit",
+                    ));
+                }
+            }
+            _ => {
+                return Err(invalid(
+                    key("url"),
+                    "set either url (HTTP JSON source) or process + peer + limit (static source)",
+                ))
+            }
+        }
+        if q.limit == Some(0) {
+            return Err(invalid(key("limit"), "must be at least 1"));
+        }
+    }
+    for (i, w) in cfg.webhook.iter().enumerate() {
+        if !w.url.starts_with("http://") && !w.url.starts_with("https://") {
+            return Err(invalid(
+                format!("webhook[{i}].url"),
+                format!("`{}` is not an http(s) URL", w.url),
+            ));
+        }
+    }
+    validate_policies(cfg)
+}
+
+fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
+    let mut names = std::collections::HashSet::new();
+    for (i, p) in cfg.policy.iter().enumerate() {
+        let key = |k: &str| format!("policy[{i}] ({}).{k}", p.name);
+        if p.name.is_empty() || !names.insert(p.name.as_str()) {
+            return Err(invalid(
+                format!("policy[{i}].name"),
+                "must be present and unique",
+            ));
+        }
+        let s = &p.select;
+        if s.comm.is_none()
+            && s.pid.is_none()
+            && s.unit.is_none()
+            && s.local_port.is_none()
+            && s.peer_port.is_none()
+            && s.peer.is_none()
+        {
+            return Err(invalid(
+                key("select"),
+                "selects nothing specific: name at least one of comm, pid, unit, local_port, peer_port, peer",
+            ));
+        }
+        if s.states.contains(&TcpState::Listen) {
+            return Err(invalid(
+                key("select.states"),
+                "LISTEN sockets are never reclaimed",
+            ));
+        }
+        if p.trigger == Trigger::QuotaSaturated {
+            match &p.quota {
+                None => {
+                    return Err(invalid(
+                        key("quota"),
+                        "trigger = \"quota-saturated\" needs a quota name",
+                    ))
+                }
+                Some(q) if !cfg.quota.iter().any(|c| &c.name == q) => {
+                    return Err(invalid(key("quota"), format!("no [[quota]] named `{q}`")))
+                }
+                _ => {}
+            }
+        }
+        if p.order != "oldest-first" {
+            return Err(invalid(key("order"), "only \"oldest-first\" is supported"));
+        }
+        if p.action != "destroy" {
+            return Err(invalid(key("action"), "only \"destroy\" is supported"));
+        }
+        if p.max_per_round == 0 {
+            return Err(invalid(key("max_per_round"), "must be at least 1"));
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const EXAMPLE: &str = include_str!("../../connreap.example.toml");
+
+    #[test]
+    fn example_config_equals_defaults() {
+        let parsed = parse(EXAMPLE, "connreap.example.toml").expect("example parses");
+        assert_eq!(parsed, Config::default());
+    }
+
+    #[test]
+    fn example_config_mentions_every_default_key() {
+        let defaults = toml::to_string(&Config::default()).unwrap();
+        for line in defaults.lines() {
+            if let Some((key, value)) = line.split_once(" = ") {
+                if value == "[]" {
+                    continue; // quota/webhook/policy lists: shown commented out
+                }
+                assert!(
+                    EXAMPLE.contains(&format!("{key} = ")),
+                    "connreap.example.toml lacks `{key}`; regenerate it from Config::default()"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn issue_contract_keys_parse() {
+        let text = r#"
+[agent]
+listen = "127.0.0.1:9477"
+scan_interval = "5s"
+[detect]
+close_wait_min_age = "30s"
+close_wait_threshold = 16
+stuck_pair_min_idle = "5m"
+stuck_pair_threshold = 16
+quota_saturation = 0.9
+[[quota]]
+name = "relay"
+url = "http://127.0.0.1:20080/status"
+items = "/endpoints"
+port_field = "port"
+used_field = "streams"
+limit_field = "maxStreams"
+poll_interval = "5s"
+[[quota]]
+name = "gateway-pool"
+process = "java"
+peer = "10.0.16.36:80"
+limit = 1000
+[[webhook]]
+url = "http://127.0.0.1:9999/alerts"
+format = "json"
+"#;
+        let c = parse(text, "t.toml").unwrap();
+        assert_eq!(c.quota.len(), 2);
+        assert_eq!(c.detect.stuck_pair_min_idle, Duration::from_secs(300));
+        assert_eq!(c.webhook[0].format, WebhookFormat::Json);
+    }
+
+    #[test]
+    fn errors_name_file_line_and_key() {
+        let e = parse("[detect]\nclose_wait_threshhold = 3\n", "/etc/x.toml").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.starts_with("/etc/x.toml:2:"), "{msg}");
+        assert!(msg.contains("close_wait_threshhold"), "{msg}");
+
+        let e = parse("[agent]\nscan_interval = \"soon\"\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("c.toml:2:"), "{e}");
+
+        let e = parse("[detect]\nquota_saturation = 1.5\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("detect.quota_saturation"), "{e}");
+
+        let e = parse("[[quota]]\nname = \"r\"\nurl = \"http://x/s\"\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("quota[0] (r)"), "{e}");
+    }
+}

@@ -1,0 +1,294 @@
+//! `connreap run`: the scan loop, quota pollers, transition-event reader, webhooks and the API.
+use std::{
+    collections::BTreeMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use anyhow::Context as _;
+use aya::maps::{MapData, RingBuf};
+use connreap_ebpf::{tcp_state, TransitionEvent};
+use tokio::io::unix::AsyncFd;
+
+use crate::{
+    alert::{rfc3339, Tracker},
+    api::{self, AppState},
+    config::{Config, QuotaConfig},
+    detect::{self, ConnKey, Memory, StormTracker},
+    kernel::{Kernel, KernelError},
+    metrics::Metrics,
+    quota::{self, QuotaStatus},
+    scan::Scanner,
+    table::Socket,
+    webhook::Webhooks,
+};
+
+fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
+}
+
+pub fn host_name(cfg: &Config) -> String {
+    if !cfg.agent.host.is_empty() {
+        return cfg.agent.host.clone();
+    }
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|h| h.trim().to_string())
+        .unwrap_or_else(|_| "unknown".into())
+}
+
+/// Feed active opens (CLOSE -> SYN_SENT, seen in the connecting task) to the storm tracker.
+async fn read_events(
+    ring: RingBuf<MapData>,
+    storm: Arc<Mutex<StormTracker>>,
+    metrics: Arc<Metrics>,
+) {
+    // SAFETY: the ring's fd is owned by `ring`, which the AsyncFd owns for its whole life.
+    let mut fd = match unsafe { AsyncFd::register(ring) } {
+        Ok(fd) => fd,
+        Err(e) => {
+            let (_, e) = e.into_parts();
+            tracing::error!(error = %e, "cannot poll the transition ring; reconnect_storm is disabled");
+            return;
+        }
+    };
+    loop {
+        let mut guard = match fd.readable_mut().await {
+            Ok(g) => g,
+            Err(e) => {
+                tracing::error!(error = %e, "transition ring poll failed; reconnect_storm is disabled");
+                return;
+            }
+        };
+        let ring = guard.get_inner_mut();
+        let mut n = 0u64;
+        let mut opens = Vec::new();
+        while let Some(item) = ring.next() {
+            n += 1;
+            let ev: Vec<TransitionEvent> = crate::kernel::decode_records(&item);
+            if let Some(ev) = ev.first() {
+                if ev.oldstate == tcp_state::CLOSE && ev.newstate == tcp_state::SYN_SENT {
+                    let end = ev.comm.iter().position(|b| *b == 0).unwrap_or(16);
+                    opens.push(ConnKey {
+                        pid: ev.pid,
+                        comm: String::from_utf8_lossy(&ev.comm[..end]).into_owned(),
+                        port: ev.dport,
+                    });
+                }
+            }
+        }
+        guard.clear_ready();
+        metrics.events_read.inc_by(n);
+        let mut st = lock(&storm);
+        for k in opens {
+            st.record_connect(k);
+        }
+    }
+}
+
+async fn poll_quota(
+    cfg: QuotaConfig,
+    scan_interval: Duration,
+    out: Arc<Mutex<BTreeMap<String, QuotaStatus>>>,
+) {
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .unwrap_or_default();
+    let interval = quota::poll_interval(&cfg, scan_interval);
+    let timeout = quota::timeout(&cfg, scan_interval);
+    let mut ticker = tokio::time::interval(interval);
+    ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        ticker.tick().await;
+        let previous = lock(&out).get(&cfg.name).cloned();
+        let status = quota::poll(&client, &cfg, timeout, previous.as_ref()).await;
+        if let Some(err) = &status.error {
+            if previous.as_ref().and_then(|p| p.error.as_ref()) != Some(err) {
+                tracing::warn!(quota = %cfg.name, error = %err, "quota source unavailable");
+            }
+        }
+        lock(&out).insert(cfg.name.clone(), status);
+    }
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending::<()>().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term => {}
+    }
+    tracing::info!("shutting down");
+    let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
+}
+
+struct Loop {
+    cfg: Config,
+    scanner: Arc<Mutex<Scanner>>,
+    storm: Arc<Mutex<StormTracker>>,
+    http_quotas: Arc<Mutex<BTreeMap<String, QuotaStatus>>>,
+    state: Arc<AppState>,
+    webhooks: Webhooks,
+}
+
+impl Loop {
+    async fn scan(&self) -> Result<(Vec<Socket>, crate::kernel::Counters), String> {
+        let sc = self.scanner.clone();
+        let res = tokio::task::spawn_blocking(move || -> Result<_, KernelError> {
+            let mut s = lock(&sc);
+            let table = s.scan()?;
+            let counters = s.kernel.counters()?;
+            Ok((table, counters))
+        })
+        .await;
+        match res {
+            Ok(Ok(v)) => Ok(v),
+            Ok(Err(e)) => Err(e.to_string()),
+            Err(e) => Err(format!("scan task failed: {e}")),
+        }
+    }
+
+    fn quotas(&self, table: &[Socket]) -> Vec<QuotaStatus> {
+        let now = rfc3339(chrono::Utc::now());
+        let http = lock(&self.http_quotas);
+        self.cfg
+            .quota
+            .iter()
+            .map(|q| {
+                if q.is_http() {
+                    http.get(&q.name).cloned().unwrap_or_else(|| QuotaStatus {
+                        name: q.name.clone(),
+                        source: "http",
+                        url: q.url.clone(),
+                        last_poll: None,
+                        entries: vec![],
+                        error: None,
+                    })
+                } else {
+                    quota::static_status(q, table, &now)
+                }
+            })
+            .collect()
+    }
+
+    async fn run(self) -> anyhow::Result<()> {
+        let interval = self.cfg.agent.scan_interval;
+        let mut ticker = tokio::time::interval(interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tracker = Tracker::new(host_name(&self.cfg), self.cfg.alerts.repeat_interval);
+        let mut memory = Memory::default();
+        let mut window_start = Instant::now();
+        let mut watchdog_usec = 0u64;
+        let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec);
+        let metrics = self.state.metrics.clone();
+        loop {
+            ticker.tick().await;
+            let t0 = Instant::now();
+            let (table, counters) = match self.scan().await {
+                Ok(v) => v,
+                Err(e) => {
+                    metrics.scan_errors.inc();
+                    tracing::error!(error = %e, "scan failed");
+                    self.state.write().last_scan_error = Some(e);
+                    continue;
+                }
+            };
+            let quotas = self.quotas(&table);
+            let findings = {
+                let mut storm = lock(&self.storm);
+                storm.close_window(t0.duration_since(window_start), &self.cfg.detect);
+                window_start = t0;
+                detect::run(
+                    &detect::Input {
+                        table: &table,
+                        cfg: &self.cfg.detect,
+                        quota_cfgs: &self.cfg.quota,
+                        quotas: &quotas,
+                        storm: &storm,
+                    },
+                    &mut memory,
+                )
+            };
+            metrics.observe_table(&table);
+            metrics.observe_findings(&findings);
+            metrics.observe_kernel(counters);
+            let update = tracker.update(findings, Instant::now(), chrono::Utc::now());
+            for alert in &update.notify {
+                self.webhooks.send(alert);
+            }
+            let first = {
+                let mut p = self.state.write();
+                p.table = table;
+                p.alerts = update.current;
+                p.quotas = quotas;
+                p.last_scan = Some(Instant::now());
+                p.last_scan_error = None;
+                p.scans += 1;
+                p.webhook_queued = self.webhooks.queued();
+                p.scans == 1
+            };
+            metrics.scan_duration.observe(t0.elapsed().as_secs_f64());
+            if first {
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+                tracing::info!(
+                    scan_ms = t0.elapsed().as_millis() as u64,
+                    "first scan done; ready"
+                );
+            }
+            if watchdog {
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+            }
+        }
+    }
+}
+
+pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<()> {
+    let metrics = Arc::new(Metrics::new());
+    let kernel = tokio::task::spawn_blocking(move || Kernel::load(verbose)).await??;
+    let mut scanner = Scanner::new(kernel);
+    let ring = scanner.kernel.take_events()?;
+    let storm = Arc::new(Mutex::new(StormTracker::default()));
+    tokio::spawn(read_events(ring, storm.clone(), metrics.clone()));
+
+    let http_quotas = Arc::new(Mutex::new(BTreeMap::new()));
+    for q in cfg.quota.iter().filter(|q| q.is_http()) {
+        tokio::spawn(poll_quota(
+            q.clone(),
+            cfg.agent.scan_interval,
+            http_quotas.clone(),
+        ));
+    }
+    let webhooks = Webhooks::spawn(&cfg.webhook, &cfg.alerts, metrics.clone());
+    let state = Arc::new(AppState {
+        published: Default::default(),
+        metrics,
+        cfg: cfg.clone(),
+        started: Instant::now(),
+    });
+    let listener = tokio::net::TcpListener::bind(cfg.agent.listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (agent.listen)", cfg.agent.listen))?;
+    tracing::info!(config = %source, listen = %cfg.agent.listen, scan_interval = ?cfg.agent.scan_interval,
+        quotas = cfg.quota.len(), webhooks = cfg.webhook.len(), "connreap running");
+    let server =
+        axum::serve(listener, api::router(state.clone())).with_graceful_shutdown(shutdown_signal());
+    let scan_loop = Loop {
+        cfg,
+        scanner: Arc::new(Mutex::new(scanner)),
+        storm,
+        http_quotas,
+        state,
+        webhooks,
+    };
+    tokio::select! {
+        r = server => r.context("HTTP API failed")?,
+        r = scan_loop.run() => r?,
+    }
+    Ok(())
+}

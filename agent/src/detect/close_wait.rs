@@ -1,0 +1,132 @@
+//! close_wait_buildup: a process that never closes sockets its peers closed.
+use std::collections::{BTreeMap, BTreeSet};
+
+use super::{describe_owners, oldest_briefs, processes, round3, Finding, Kind};
+use crate::{
+    config::DetectConfig,
+    snapshot::human,
+    table::{Socket, TcpState},
+};
+
+pub fn detect(
+    table: &[Socket],
+    cfg: &DetectConfig,
+    prev_counts: &mut BTreeMap<String, usize>,
+) -> Vec<Finding> {
+    let mut groups: BTreeMap<(Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
+    for s in table {
+        if s.state == TcpState::CloseWait && s.age >= cfg.close_wait_min_age {
+            groups.entry((s.pid(), s.service_port)).or_default().push(s);
+        }
+    }
+    let stuck_long = cfg.close_wait_min_age * 10;
+    let mut counts = BTreeMap::new();
+    let mut out = Vec::new();
+    for ((pid, port), socks) in groups {
+        let oldest = socks.iter().map(|s| s.age).max().unwrap_or_default();
+        let oldest_exact = socks
+            .iter()
+            .filter(|s| s.age == oldest)
+            .all(|s| s.age_exact);
+        let comm = socks[0].comm();
+        let key = format!(
+            "{comm}/{}:{port}",
+            pid.map(|p| p.to_string()).unwrap_or("?".into())
+        );
+        counts.insert(key.clone(), socks.len());
+        if socks.len() < cfg.close_wait_threshold && oldest < stuck_long {
+            continue;
+        }
+        let peers: BTreeSet<String> = socks.iter().map(|s| s.peer.to_string()).collect();
+        let peer_text = if peers.len() == 1 {
+            peers.iter().next().cloned().unwrap_or_default()
+        } else {
+            format!("{} peers on port {port}", peers.len())
+        };
+        let owners = processes(socks.iter().copied());
+        let mut f = Finding::new(
+            Kind::CloseWaitBuildup,
+            &key,
+            format!(
+                "{} holds {} CLOSE_WAIT socket{} to {} (service port {port}), oldest {}{}: the peer closed and this process never did",
+                describe_owners(&owners),
+                socks.len(),
+                if socks.len() == 1 { "" } else { "s" },
+                peer_text,
+                if oldest_exact { "" } else { "≥" },
+                human(oldest),
+            ),
+        );
+        f.service_port = Some(port);
+        f.count = socks.len();
+        f.oldest_age_secs = round3(oldest);
+        f.processes = owners;
+        f.sockets = oldest_briefs(socks.iter().copied());
+        f.growth = Some(socks.len() as i64 - prev_counts.get(&key).copied().unwrap_or(0) as i64);
+        out.push(f);
+    }
+    *prev_counts = counts;
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::detect::testutil::sock;
+
+    fn cw(pid: u32, n: u16, age: u64) -> Vec<Socket> {
+        (0..n)
+            .map(|i| {
+                let mut s = sock(
+                    pid,
+                    "java",
+                    &format!("[::ffff:10.0.0.5]:{}", 40000 + i),
+                    "[::ffff:10.0.16.36]:80",
+                    TcpState::CloseWait,
+                );
+                s.age = Duration::from_secs(age + i as u64);
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fires_at_threshold_with_growth() {
+        let cfg = DetectConfig::default();
+        let mut prev = BTreeMap::new();
+        assert!(detect(&cw(7, 15, 100), &cfg, &mut prev).is_empty());
+        let f = detect(&cw(7, 20, 100), &cfg, &mut prev);
+        assert_eq!(f.len(), 1);
+        let f = &f[0];
+        assert_eq!((f.count, f.service_port, f.growth), (20, Some(80), Some(5)));
+        assert_eq!(f.processes[0].pid, Some(7));
+        assert_eq!(f.sockets.len(), 20);
+        assert_eq!(f.oldest_age_secs, 119.0);
+        assert!(
+            f.summary
+                .contains("java pid 7 holds 20 CLOSE_WAIT sockets to [::ffff:10.0.16.36]:80"),
+            "{}",
+            f.summary
+        );
+    }
+
+    #[test]
+    fn young_close_wait_is_normal_but_one_very_old_fires() {
+        let cfg = DetectConfig::default();
+        let mut prev = BTreeMap::new();
+        assert!(detect(&cw(7, 40, 5), &cfg, &mut prev).is_empty());
+        let f = detect(&cw(7, 1, 301), &cfg, &mut prev);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].count, 1);
+    }
+
+    #[test]
+    fn groups_per_process() {
+        let cfg = DetectConfig::default();
+        let mut t = cw(7, 10, 100);
+        t.extend(cw(8, 10, 100));
+        assert!(detect(&t, &cfg, &mut BTreeMap::new()).is_empty());
+    }
+}

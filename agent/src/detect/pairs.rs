@@ -1,0 +1,191 @@
+//! Local connection pairs (both ends on this host) and stuck_established_pairs.
+use std::{
+    collections::{BTreeMap, HashMap},
+    net::SocketAddr,
+};
+
+use super::{describe_owners, oldest_briefs, round3, Finding, Kind, ProcessCount};
+use crate::{
+    config::DetectConfig,
+    snapshot::human,
+    table::{Direction, Socket, TcpState},
+};
+
+/// Both ends of one connection, each a socket on this host.
+#[derive(Debug, Clone, Copy)]
+pub struct Pair<'a> {
+    pub client: &'a Socket,
+    pub server: &'a Socket,
+}
+
+impl Pair<'_> {
+    pub fn service_port(&self) -> u16 {
+        self.server.local.port()
+    }
+}
+
+/// IPv4-mapped IPv6 and plain IPv4 name the same endpoint.
+fn canon(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+/// Pairs of sockets on this host that are the two ends of one connection.
+pub fn local_pairs(table: &[Socket]) -> Vec<Pair<'_>> {
+    let by_tuple: HashMap<(SocketAddr, SocketAddr), &Socket> = table
+        .iter()
+        .filter(|s| s.state != TcpState::Listen)
+        .map(|s| ((canon(s.local), canon(s.peer)), s))
+        .collect();
+    let mut out = Vec::new();
+    for s in table {
+        if s.state == TcpState::Listen || s.direction == Direction::Inbound {
+            continue;
+        }
+        if let Some(other) = by_tuple.get(&(canon(s.peer), canon(s.local))) {
+            if other.direction == Direction::Inbound || s.local.port() > other.local.port() {
+                out.push(Pair {
+                    client: s,
+                    server: other,
+                });
+            }
+        }
+    }
+    out
+}
+
+fn stuck(s: &Socket, cfg: &DetectConfig) -> bool {
+    s.state == TcpState::Established
+        && s.queues_empty()
+        && s.idle.is_some_and(|i| i >= cfg.stuck_pair_min_idle)
+}
+
+pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
+    let mut groups: BTreeMap<(Option<u32>, Option<u32>, u16), Vec<Pair<'_>>> = BTreeMap::new();
+    for p in local_pairs(table) {
+        if stuck(p.client, cfg) && stuck(p.server, cfg) {
+            groups
+                .entry((p.client.pid(), p.server.pid(), p.service_port()))
+                .or_default()
+                .push(p);
+        }
+    }
+    let mut out = Vec::new();
+    for ((cpid, spid, port), pairs) in groups {
+        if pairs.len() < cfg.stuck_pair_threshold {
+            continue;
+        }
+        let (c, s) = (pairs[0].client, pairs[0].server);
+        let owner = |x: &Socket, pid: Option<u32>| ProcessCount {
+            pid,
+            comm: x.comm().to_string(),
+            unit: x.owner.as_ref().and_then(|o| o.unit.clone()),
+            count: pairs.len(),
+        };
+        let procs = vec![owner(c, cpid), owner(s, spid)];
+        let oldest = pairs
+            .iter()
+            .map(|p| p.client.age.min(p.server.age))
+            .max()
+            .unwrap_or_default();
+        let min_idle = pairs
+            .iter()
+            .filter_map(|p| p.client.idle.zip(p.server.idle).map(|(a, b)| a.min(b)))
+            .min()
+            .unwrap_or_default();
+        let key = format!(
+            "{}/{}->{}/{}:{port}",
+            c.comm(),
+            cpid.map(|p| p.to_string()).unwrap_or("?".into()),
+            s.comm(),
+            spid.map(|p| p.to_string()).unwrap_or("?".into())
+        );
+        let mut f = Finding::new(
+            Kind::StuckEstablishedPairs,
+            &key,
+            format!(
+                "{} idle ESTABLISHED pair{} on port {port} between {} (client) and {} (server): idle ≥ {}, queues empty, oldest {}",
+                pairs.len(),
+                if pairs.len() == 1 { "" } else { "s" },
+                describe_owners(&procs[..1]),
+                describe_owners(&procs[1..]),
+                human(min_idle),
+                human(oldest),
+            ),
+        );
+        f.service_port = Some(port);
+        f.count = pairs.len();
+        f.oldest_age_secs = round3(oldest);
+        f.processes = procs;
+        f.sockets = oldest_briefs(pairs.iter().flat_map(|p| [p.client, p.server]));
+        out.push(f);
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::detect::testutil::sock;
+
+    fn pair(i: u16, idle: u64) -> [Socket; 2] {
+        let cl = format!("127.0.0.1:{}", 40000 + i);
+        let mut c = sock(10, "node", &cl, "127.0.0.1:25001", TcpState::Established);
+        let mut s = sock(20, "relay", "127.0.0.1:25001", &cl, TcpState::Established);
+        c.idle = Some(Duration::from_secs(idle));
+        s.idle = Some(Duration::from_secs(idle));
+        [c, s]
+    }
+
+    #[test]
+    fn finds_pairs_across_mapped_addresses() {
+        let c = sock(
+            1,
+            "java",
+            "[::ffff:127.0.0.1]:40000",
+            "[::ffff:127.0.0.1]:8080",
+            TcpState::Established,
+        );
+        let s = sock(
+            2,
+            "srv",
+            "127.0.0.1:8080",
+            "127.0.0.1:40000",
+            TcpState::Established,
+        );
+        let t = [c, s];
+        let p = local_pairs(&t);
+        assert_eq!(p.len(), 1);
+        assert_eq!(
+            (p[0].client.comm(), p[0].server.comm(), p[0].service_port()),
+            ("java", "srv", 8080)
+        );
+    }
+
+    #[test]
+    fn fires_for_idle_pairs_only() {
+        let cfg = DetectConfig::default();
+        let t: Vec<Socket> = (0..16).flat_map(|i| pair(i, 400)).collect();
+        let f = detect(&t, &cfg);
+        assert_eq!(f.len(), 1);
+        assert_eq!((f[0].count, f[0].service_port), (16, Some(25001)));
+        assert_eq!(f[0].processes[0].comm, "node");
+        assert_eq!(f[0].processes[1].comm, "relay");
+        assert!(
+            f[0].summary
+                .contains("node pid 10 (client) and relay pid 20 (server)"),
+            "{}",
+            f[0].summary
+        );
+
+        let busy: Vec<Socket> = (0..16).flat_map(|i| pair(i, 1)).collect();
+        assert!(detect(&busy, &cfg).is_empty());
+        let mut queued: Vec<Socket> = (0..16).flat_map(|i| pair(i, 400)).collect();
+        queued[0].tx_queue = 10;
+        assert!(
+            detect(&queued, &cfg).is_empty(),
+            "one pair with data queued is not stuck: 15 < 16"
+        );
+    }
+}

@@ -1,0 +1,309 @@
+//! quota_exhausted_by_leak and quota_source_unavailable.
+use std::collections::HashMap;
+
+use super::{
+    describe_owners, local_pairs, oldest_briefs, processes, round3, Finding, Input, Kind, QuotaRef,
+};
+use crate::{
+    config::QuotaConfig,
+    quota::{static_sockets, QuotaEntry, QuotaStatus},
+    snapshot::human,
+    table::{Direction, Socket, TcpState},
+};
+
+/// The connections carrying a quota entry's streams: for HTTP sources the sockets accepted on
+/// the (mapped) port, else the ones dialled to it; for static sources the process's sockets to
+/// the peer.
+fn connections<'a>(
+    cfg: &'a QuotaConfig,
+    entry: &QuotaEntry,
+    table: &'a [Socket],
+) -> Vec<&'a Socket> {
+    if !cfg.is_http() {
+        return static_sockets(cfg, table).collect();
+    }
+    let port = cfg.socket_port(entry.port);
+    let live = |s: &&Socket| !matches!(s.state, TcpState::Listen | TcpState::TimeWait);
+    let inbound: Vec<&Socket> = table
+        .iter()
+        .filter(live)
+        .filter(|s| s.direction == Direction::Inbound && s.local.port() == port)
+        .collect();
+    if !inbound.is_empty() {
+        return inbound;
+    }
+    table
+        .iter()
+        .filter(live)
+        .filter(|s| s.direction == Direction::Outbound && s.peer.port() == port)
+        .collect()
+}
+
+pub fn detect(input: &Input<'_>) -> Vec<Finding> {
+    let cfg = input.cfg;
+    let pairs = local_pairs(input.table);
+    // The other end of each local connection, to name both owners.
+    let mut other_end: HashMap<u64, &Socket> = HashMap::new();
+    for p in &pairs {
+        other_end.insert(p.client.skaddr, p.server);
+        other_end.insert(p.server.skaddr, p.client);
+    }
+    let mut out = Vec::new();
+    for status in input.quotas.iter().filter(|s| s.error.is_none()) {
+        let Some(qcfg) = input.quota_cfgs.iter().find(|q| q.name == status.name) else {
+            continue;
+        };
+        for entry in &status.entries {
+            if (entry.used as f64) < cfg.quota_saturation * entry.limit as f64 {
+                continue;
+            }
+            let conns = connections(qcfg, entry, input.table);
+            let idle: Vec<&Socket> = conns
+                .iter()
+                .copied()
+                .filter(|s| {
+                    s.state == TcpState::CloseWait
+                        || s.idle.is_some_and(|i| i >= cfg.quota_idle_min)
+                })
+                .collect();
+            let leak = !conns.is_empty() && idle.len() * 2 > conns.len();
+            let ends: Vec<&Socket> = conns
+                .iter()
+                .flat_map(|s| [Some(*s), other_end.get(&s.skaddr).copied()])
+                .flatten()
+                .collect();
+            let procs = processes(ends.iter().copied());
+            let min_idle = idle.iter().filter_map(|s| s.idle).min().unwrap_or_default();
+            let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
+            let socket_port = qcfg.socket_port(entry.port);
+            let mut summary = format!(
+                "{} quota on port {} at {}/{}",
+                status.name, entry.port, entry.used, entry.limit
+            );
+            if socket_port != entry.port {
+                summary.push_str(&format!(" (connections on local port {socket_port})"));
+            }
+            if conns.is_empty() {
+                summary.push_str("; no matching connections on this host");
+            } else {
+                summary.push_str(&format!(
+                    "; {} of {} connections idle{} for ≥ {}",
+                    idle.len(),
+                    conns.len(),
+                    if idle.iter().any(|s| s.state == TcpState::CloseWait) {
+                        " or CLOSE_WAIT"
+                    } else {
+                        ""
+                    },
+                    human(min_idle)
+                ));
+                let mut sides: Vec<String> = Vec::new();
+                let client_side: Vec<&Socket> = conns
+                    .iter()
+                    .filter_map(|s| other_end.get(&s.skaddr).copied())
+                    .collect();
+                if !client_side.is_empty() {
+                    sides.push(describe_owners(&processes(client_side.iter().copied())));
+                }
+                sides.push(describe_owners(&processes(conns.iter().copied())));
+                summary.push_str(&format!("; held by {}", sides.join(" ↔ ")));
+                summary.push_str(if leak {
+                    "; verdict: leak"
+                } else {
+                    "; verdict: load (connections are busy)"
+                });
+            }
+            let mut f = Finding::new(
+                Kind::QuotaExhaustedByLeak,
+                &format!("{}:{}", status.name, entry.port),
+                summary,
+            );
+            f.service_port = Some(entry.port);
+            f.count = conns.len();
+            f.oldest_age_secs = round3(oldest);
+            f.processes = procs;
+            f.quota = Some(QuotaRef {
+                name: status.name.clone(),
+                used: entry.used,
+                limit: entry.limit,
+            });
+            f.sockets = oldest_briefs(ends.iter().copied());
+            f.verdict = Some(if leak { "leak" } else { "load" }.to_string());
+            out.push(f);
+        }
+    }
+    out
+}
+
+pub fn unavailable(quotas: &[QuotaStatus]) -> Vec<Finding> {
+    quotas
+        .iter()
+        .filter_map(|q| {
+            let reason = q.error.as_ref()?;
+            let mut f = Finding::new(
+                Kind::QuotaSourceUnavailable,
+                &q.name,
+                format!("quota source {} unavailable: {reason}", q.name),
+            );
+            f.reason = Some(reason.clone());
+            Some(f)
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+    use crate::{
+        config::{parse, DetectConfig},
+        detect::{testutil::sock, StormTracker},
+    };
+
+    fn cfgs() -> Vec<QuotaConfig> {
+        parse(
+            r#"[[quota]]
+name = "relay"
+url = "http://127.0.0.1:20080/status"
+items = "/endpoints"
+port_field = "port"
+used_field = "streams"
+limit_field = "maxStreams"
+port_map = { "21000" = 25001 }
+[[quota]]
+name = "pool"
+process = "java"
+peer = "10.0.16.36:80"
+limit = 4
+"#,
+            "t",
+        )
+        .unwrap()
+        .quota
+    }
+
+    fn relay_table(n: u16, idle: u64) -> Vec<Socket> {
+        (0..n)
+            .flat_map(|i| {
+                let cl = format!("127.0.0.1:{}", 40000 + i);
+                let mut c = sock(10, "node", &cl, "127.0.0.1:25001", TcpState::Established);
+                let mut s = sock(20, "relay", "127.0.0.1:25001", &cl, TcpState::Established);
+                c.idle = Some(Duration::from_secs(idle));
+                s.idle = Some(Duration::from_secs(idle));
+                [c, s]
+            })
+            .collect()
+    }
+
+    fn run(table: &[Socket], used: u64, limit: u64, quota_cfgs: &[QuotaConfig]) -> Vec<Finding> {
+        let cfg = DetectConfig::default();
+        let storm = StormTracker::default();
+        let quotas = vec![QuotaStatus {
+            name: "relay".into(),
+            source: "http",
+            url: None,
+            last_poll: None,
+            entries: vec![QuotaEntry {
+                port: 21000,
+                used,
+                limit,
+            }],
+            error: None,
+        }];
+        detect(&Input {
+            table,
+            cfg: &cfg,
+            quota_cfgs,
+            quotas: &quotas,
+            storm: &storm,
+        })
+    }
+
+    #[test]
+    fn relay_case_reads_as_leak_with_both_owners() {
+        let t = relay_table(64, 360);
+        let f = run(&t, 64, 64, &cfgs());
+        assert_eq!(f.len(), 1);
+        let f = &f[0];
+        assert_eq!(f.verdict.as_deref(), Some("leak"));
+        assert_eq!(
+            f.quota,
+            Some(QuotaRef {
+                name: "relay".into(),
+                used: 64,
+                limit: 64
+            })
+        );
+        assert_eq!(f.count, 64);
+        assert!(
+            f.summary.starts_with("relay quota on port 21000 at 64/64 (connections on local port 25001); 64 of 64 connections idle for ≥ 6m00s; held by node pid 10 ↔ relay pid 20"),
+            "{}", f.summary
+        );
+        let comms: Vec<&str> = f.processes.iter().map(|p| p.comm.as_str()).collect();
+        assert!(comms.contains(&"node") && comms.contains(&"relay"));
+    }
+
+    #[test]
+    fn busy_connections_read_as_load_and_unsaturated_is_silent() {
+        let t = relay_table(64, 2);
+        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict.as_deref(), Some("load"));
+        assert!(run(&t, 50, 64, &cfgs()).is_empty());
+    }
+
+    #[test]
+    fn static_pool_counts_process_sockets_to_peer() {
+        let cfgs = cfgs();
+        let t: Vec<Socket> = (0..4)
+            .map(|i| {
+                sock(
+                    7,
+                    "java",
+                    &format!("[::ffff:10.0.0.5]:{}", 40000 + i),
+                    "[::ffff:10.0.16.36]:80",
+                    TcpState::CloseWait,
+                )
+            })
+            .collect();
+        let st = crate::quota::static_status(&cfgs[1], &t, "now");
+        assert_eq!(
+            st.entries[0],
+            QuotaEntry {
+                port: 80,
+                used: 4,
+                limit: 4
+            }
+        );
+        let cfg = DetectConfig::default();
+        let storm = StormTracker::default();
+        let f = detect(&Input {
+            table: &t,
+            cfg: &cfg,
+            quota_cfgs: &cfgs,
+            quotas: &[st],
+            storm: &storm,
+        });
+        assert_eq!(f[0].verdict.as_deref(), Some("leak"));
+        assert!(
+            f[0].summary
+                .contains("4 of 4 connections idle or CLOSE_WAIT"),
+            "{}",
+            f[0].summary
+        );
+    }
+
+    #[test]
+    fn unavailable_sources_become_findings() {
+        let q = QuotaStatus {
+            name: "relay".into(),
+            source: "http",
+            url: None,
+            last_poll: None,
+            entries: vec![],
+            error: Some("answered HTTP 500".into()),
+        };
+        let f = unavailable(&[q]);
+        assert_eq!(f[0].kind, Kind::QuotaSourceUnavailable);
+        assert_eq!(f[0].reason.as_deref(), Some("answered HTTP 500"));
+    }
+}

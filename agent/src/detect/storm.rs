@@ -1,0 +1,140 @@
+//! reconnect_storm: new outbound connections per second per (process, peer service port),
+//! from the kernel's transition events, window by window (one window per scan).
+use std::{
+    collections::{BTreeMap, BTreeSet, VecDeque},
+    time::Duration,
+};
+
+use super::{Finding, Kind, ProcessCount};
+use crate::config::DetectConfig;
+
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub struct ConnKey {
+    pub pid: u32,
+    pub comm: String,
+    pub port: u16,
+}
+
+#[derive(Debug, Default)]
+pub struct StormTracker {
+    current: BTreeMap<ConnKey, u64>,
+    /// Rates of the last windows, newest last.
+    history: BTreeMap<ConnKey, VecDeque<f64>>,
+    firing: BTreeSet<ConnKey>,
+}
+
+impl StormTracker {
+    /// One active open (CLOSE -> SYN_SENT, in the connecting process's context).
+    pub fn record_connect(&mut self, key: ConnKey) {
+        *self.current.entry(key).or_default() += 1;
+    }
+
+    /// End the current window of length `window`; update rates and firing state.
+    pub fn close_window(&mut self, window: Duration, cfg: &DetectConfig) {
+        let secs = window.as_secs_f64().max(0.001);
+        let keep = cfg.storm_growth_windows + 1;
+        let mut keys: BTreeSet<ConnKey> = self.history.keys().cloned().collect();
+        keys.extend(self.current.keys().cloned());
+        for key in keys {
+            let rate = self.current.get(&key).copied().unwrap_or(0) as f64 / secs;
+            let h = self.history.entry(key.clone()).or_default();
+            h.push_back(rate);
+            while h.len() > keep {
+                h.pop_front();
+            }
+            let growing = h.len() == keep && h.iter().zip(h.iter().skip(1)).all(|(a, b)| b > a);
+            if rate >= cfg.storm_rate && (growing || self.firing.contains(&key)) {
+                self.firing.insert(key.clone());
+            } else {
+                self.firing.remove(&key);
+            }
+            if h.iter().all(|r| *r == 0.0) {
+                self.history.remove(&key);
+            }
+        }
+        self.current.clear();
+    }
+
+    pub fn findings(&self, cfg: &DetectConfig) -> Vec<Finding> {
+        self.firing
+            .iter()
+            .map(|key| {
+                let rates: Vec<f64> = self.history.get(key).map(|h| h.iter().copied().collect()).unwrap_or_default();
+                let rate = rates.last().copied().unwrap_or(0.0);
+                let shown: Vec<String> = rates.iter().map(|r| format!("{r:.0}")).collect();
+                let mut f = Finding::new(
+                    Kind::ReconnectStorm,
+                    &format!("{}/{}:{}", key.comm, key.pid, key.port),
+                    format!(
+                        "{} pid {} opens {rate:.0} new connections/s to port {} (threshold {:.0}/s; last windows {}/s)",
+                        key.comm, key.pid, key.port, cfg.storm_rate, shown.join(" → ")
+                    ),
+                );
+                f.service_port = Some(key.port);
+                f.count = rate.round() as usize;
+                f.rate_per_sec = Some((rate * 10.0).round() / 10.0);
+                f.processes = vec![ProcessCount { pid: Some(key.pid), comm: key.comm.clone(), unit: None, count: rate.round() as usize }];
+                f
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn key() -> ConnKey {
+        ConnKey {
+            pid: 5,
+            comm: "client".into(),
+            port: 443,
+        }
+    }
+
+    fn window(t: &mut StormTracker, n: u64, cfg: &DetectConfig) {
+        for _ in 0..n {
+            t.record_connect(key());
+        }
+        t.close_window(Duration::from_secs(1), cfg);
+    }
+
+    #[test]
+    fn fires_when_high_and_growing_and_holds_while_high() {
+        let cfg = DetectConfig::default();
+        let mut t = StormTracker::default();
+        window(&mut t, 60, &cfg);
+        window(&mut t, 60, &cfg);
+        window(&mut t, 60, &cfg);
+        assert!(t.findings(&cfg).is_empty(), "steady 60/s is not growing");
+        window(&mut t, 80, &cfg);
+        window(&mut t, 120, &cfg);
+        let f = t.findings(&cfg);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].rate_per_sec, Some(120.0));
+        assert!(
+            f[0].summary
+                .contains("client pid 5 opens 120 new connections/s to port 443"),
+            "{}",
+            f[0].summary
+        );
+        window(&mut t, 100, &cfg);
+        assert_eq!(
+            t.findings(&cfg).len(),
+            1,
+            "still above threshold: keeps firing"
+        );
+        window(&mut t, 10, &cfg);
+        assert!(t.findings(&cfg).is_empty(), "resolved below threshold");
+    }
+
+    #[test]
+    fn growth_below_threshold_is_quiet() {
+        let cfg = DetectConfig::default();
+        let mut t = StormTracker::default();
+        for n in [1, 2, 4, 8, 16] {
+            window(&mut t, n, &cfg);
+        }
+        assert!(t.findings(&cfg).is_empty());
+    }
+}

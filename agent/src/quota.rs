@@ -1,0 +1,253 @@
+//! Quota sources: HTTP JSON endpoints (e.g. a relay's `GET /status`) polled in the background,
+//! and static limits (a pool's max-per-route) counted from the socket table.
+use std::{net::SocketAddr, time::Duration};
+
+use serde::Serialize;
+
+use crate::{
+    config::QuotaConfig,
+    table::{Socket, TcpState},
+};
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QuotaEntry {
+    pub port: u16,
+    pub used: u64,
+    pub limit: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct QuotaStatus {
+    pub name: String,
+    /// "http" or "static".
+    pub source: &'static str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub url: Option<String>,
+    /// RFC 3339 time of the last poll (or count, for static sources).
+    pub last_poll: Option<String>,
+    pub entries: Vec<QuotaEntry>,
+    /// Why the last poll failed; entries are from the last good poll, if any.
+    pub error: Option<String>,
+}
+
+fn field_u64(entry: &serde_json::Value, field: &str) -> Option<u64> {
+    let v = entry.get(field)?;
+    v.as_u64()
+        .or_else(|| {
+            v.as_f64()
+                .filter(|f| *f >= 0.0 && f.fract() == 0.0)
+                .map(|f| f as u64)
+        })
+        .or_else(|| v.as_str().and_then(|s| s.trim().parse().ok()))
+}
+
+/// Parse a source's body into entries; the error names what did not fit.
+pub fn parse_body(body: &[u8], cfg: &QuotaConfig) -> Result<Vec<QuotaEntry>, String> {
+    let doc: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
+        let preview: String = String::from_utf8_lossy(&body[..body.len().min(40)]).into_owned();
+        format!("body is not JSON ({e}); starts with {preview:?}")
+    })?;
+    let pointer = cfg.items.as_deref().unwrap_or("");
+    let items = doc
+        .pointer(pointer)
+        .ok_or_else(|| format!("JSON pointer `{pointer}` not found in the body"))?
+        .as_array()
+        .ok_or_else(|| format!("JSON pointer `{pointer}` is not an array"))?;
+    let port_field = cfg.port_field.as_deref().unwrap_or("port");
+    let used_field = cfg.used_field.as_deref().unwrap_or("used");
+    items
+        .iter()
+        .enumerate()
+        .map(|(i, e)| {
+            let port = field_u64(e, port_field)
+                .and_then(|p| u16::try_from(p).ok())
+                .ok_or_else(|| {
+                    format!("{pointer}/{i}: `{port_field}` missing or not a port number")
+                })?;
+            let used = field_u64(e, used_field).ok_or_else(|| {
+                format!("{pointer}/{i}: `{used_field}` missing or not a non-negative integer")
+            })?;
+            let limit = match (&cfg.limit_field, cfg.limit) {
+                (Some(f), fallback) => field_u64(e, f).or(fallback).ok_or_else(|| {
+                    format!("{pointer}/{i}: `{f}` missing or not a non-negative integer")
+                })?,
+                (None, Some(l)) => l,
+                (None, None) => return Err("no limit_field and no limit configured".to_string()),
+            };
+            if limit == 0 {
+                return Err(format!("{pointer}/{i}: limit is 0"));
+            }
+            Ok(QuotaEntry { port, used, limit })
+        })
+        .collect()
+}
+
+fn canon(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+/// Sockets a static source counts as used: that process's connections to that peer.
+pub fn static_sockets<'a>(
+    cfg: &'a QuotaConfig,
+    table: &'a [Socket],
+) -> impl Iterator<Item = &'a Socket> {
+    table.iter().filter(move |s| {
+        cfg.process.as_deref() == Some(s.comm())
+            && cfg.peer.map(canon) == Some(canon(s.peer))
+            && !matches!(s.state, TcpState::Listen | TcpState::TimeWait)
+    })
+}
+
+pub fn static_status(cfg: &QuotaConfig, table: &[Socket], now: &str) -> QuotaStatus {
+    QuotaStatus {
+        name: cfg.name.clone(),
+        source: "static",
+        url: None,
+        last_poll: Some(now.to_string()),
+        entries: vec![QuotaEntry {
+            port: cfg.peer.map(|p| p.port()).unwrap_or(0),
+            used: static_sockets(cfg, table).count() as u64,
+            limit: cfg.limit.unwrap_or(u64::MAX),
+        }],
+        error: None,
+    }
+}
+
+pub fn poll_interval(cfg: &QuotaConfig, scan_interval: Duration) -> Duration {
+    cfg.poll_interval.unwrap_or(scan_interval)
+}
+
+pub fn timeout(cfg: &QuotaConfig, scan_interval: Duration) -> Duration {
+    cfg.timeout
+        .unwrap_or_else(|| poll_interval(cfg, scan_interval).min(Duration::from_secs(5)))
+}
+
+/// Poll one HTTP source once. Never fails: problems become `error`.
+pub async fn poll(
+    client: &reqwest::Client,
+    cfg: &QuotaConfig,
+    timeout: Duration,
+    previous: Option<&QuotaStatus>,
+) -> QuotaStatus {
+    let url = cfg.url.clone().unwrap_or_default();
+    let result = async {
+        let resp = client
+            .get(&url)
+            .timeout(timeout)
+            .send()
+            .await
+            .map_err(|e| {
+                if e.is_timeout() {
+                    format!("no answer within {}", humantime::format_duration(timeout))
+                } else if e.is_connect() {
+                    format!("cannot connect to {url}")
+                } else {
+                    format!("request to {url} failed: {e}")
+                }
+            })?;
+        let status = resp.status();
+        if !status.is_success() {
+            return Err(format!("{url} answered HTTP {status}"));
+        }
+        let body = resp
+            .bytes()
+            .await
+            .map_err(|e| format!("reading the body of {url} failed: {e}"))?;
+        parse_body(&body, cfg)
+    }
+    .await;
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
+    match result {
+        Ok(entries) => QuotaStatus {
+            name: cfg.name.clone(),
+            source: "http",
+            url: Some(url),
+            last_poll: Some(now),
+            entries,
+            error: None,
+        },
+        Err(reason) => QuotaStatus {
+            name: cfg.name.clone(),
+            source: "http",
+            url: Some(url),
+            last_poll: Some(now),
+            // Keep the last good entries for display; detectors ignore sources with errors.
+            entries: previous.map(|p| p.entries.clone()).unwrap_or_default(),
+            error: Some(reason),
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn relay_cfg() -> QuotaConfig {
+        crate::config::parse(
+            r#"[[quota]]
+name = "relay"
+url = "http://127.0.0.1:20080/status"
+items = "/endpoints"
+port_field = "port"
+used_field = "streams"
+limit_field = "maxStreams"
+"#,
+            "t",
+        )
+        .unwrap()
+        .quota
+        .remove(0)
+    }
+
+    #[test]
+    fn parses_relay_status() {
+        let body = br#"{"endpoints":[{"port":21000,"streams":64,"maxStreams":64},{"port":21001,"streams":"3","maxStreams":64}],"dialDenied":5}"#;
+        let e = parse_body(body, &relay_cfg()).unwrap();
+        assert_eq!(
+            e,
+            vec![
+                QuotaEntry {
+                    port: 21000,
+                    used: 64,
+                    limit: 64
+                },
+                QuotaEntry {
+                    port: 21001,
+                    used: 3,
+                    limit: 64
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn bad_bodies_name_the_cause() {
+        let cfg = relay_cfg();
+        assert!(parse_body(b"<html>oops", &cfg)
+            .unwrap_err()
+            .contains("not JSON"));
+        assert!(parse_body(br#"{"other":[]}"#, &cfg)
+            .unwrap_err()
+            .contains("`/endpoints` not found"));
+        assert!(parse_body(br#"{"endpoints":{}}"#, &cfg)
+            .unwrap_err()
+            .contains("not an array"));
+        let e = parse_body(br#"{"endpoints":[{"port":1,"maxStreams":4}]}"#, &cfg).unwrap_err();
+        assert!(e.contains("/endpoints/0: `streams`"), "{e}");
+        let e = parse_body(
+            br#"{"endpoints":[{"port":70000,"streams":1,"maxStreams":4}]}"#,
+            &cfg,
+        )
+        .unwrap_err();
+        assert!(e.contains("`port`"), "{e}");
+    }
+
+    #[test]
+    fn fixed_limit_when_no_limit_field() {
+        let mut cfg = relay_cfg();
+        cfg.limit_field = None;
+        cfg.limit = Some(64);
+        let e = parse_body(br#"{"endpoints":[{"port":21000,"streams":10}]}"#, &cfg).unwrap();
+        assert_eq!(e[0].limit, 64);
+    }
+}

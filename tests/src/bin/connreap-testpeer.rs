@@ -1,0 +1,235 @@
+//! Test helper for connreap's end-to-end tests: makes TCP sockets in known states, prints one
+//! `ready key=value ...` line on stdout once they exist, then holds them until killed.
+//!
+//! Its comm is `connreap-testpe` (the kernel keeps 15 characters).
+use std::{
+    io::{Read, Write},
+    net::{Ipv6Addr, SocketAddr, TcpListener, TcpStream},
+    process::ExitCode,
+    thread,
+    time::Duration,
+};
+
+use socket2::{Domain, Socket, Type};
+
+const USAGE: &str = "\
+usage: connreap-testpeer close-wait --addr IP:PORT --count N
+       connreap-testpeer listen --addr IP:PORT [--chatty-ms M]
+       connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M]
+
+close-wait  listen on ADDR, connect N clients, close the accepted side: N clients in CLOSE_WAIT
+listen      accept and hold every connection on ADDR
+connect     hold N connections to ADDR
+--chatty-ms write one byte every M ms on each connection and read whatever arrives
+
+IPv6 addresses go in brackets ([::1]:7000). A v4-mapped address ([::ffff:127.0.0.1]:7000)
+listens dual-stack on [::]:PORT and connects from AF_INET6 sockets, like a JVM.
+Prints `ready ...` once the sockets exist, then sleeps until killed.";
+
+struct Args {
+    mode: String,
+    addr: SocketAddr,
+    count: usize,
+    chatty: Option<Duration>,
+}
+
+fn parse_args(argv: &[String]) -> Result<Args, String> {
+    let mode = argv.first().ok_or("missing subcommand")?.clone();
+    if !["close-wait", "listen", "connect"].contains(&mode.as_str()) {
+        return Err(format!("unknown subcommand `{mode}`"));
+    }
+    let (mut addr, mut count, mut chatty) = (None, None, None);
+    let mut rest = argv[1..].iter();
+    while let Some(flag) = rest.next() {
+        let value = rest.next().ok_or_else(|| format!("{flag} needs a value"))?;
+        let bad = |e: &dyn std::fmt::Display| format!("invalid {flag} `{value}`: {e}");
+        match flag.as_str() {
+            "--addr" => addr = Some(value.parse::<SocketAddr>().map_err(|e| bad(&e))?),
+            "--count" => count = Some(value.parse::<usize>().map_err(|e| bad(&e))?),
+            "--chatty-ms" => {
+                let ms = value.parse::<u64>().map_err(|e| bad(&e))?;
+                if ms == 0 {
+                    return Err(bad(&"must be at least 1"));
+                }
+                chatty = Some(Duration::from_millis(ms));
+            }
+            _ => return Err(format!("unknown option `{flag}`")),
+        }
+    }
+    let addr = addr.ok_or("--addr is required")?;
+    let count = match (mode.as_str(), count) {
+        ("listen", None) => 0,
+        ("listen", Some(_)) => return Err("listen takes no --count".into()),
+        (_, Some(n)) if n > 0 => n,
+        (_, _) => return Err(format!("{mode} needs --count N (N >= 1)")),
+    };
+    if mode == "close-wait" && chatty.is_some() {
+        return Err("close-wait takes no --chatty-ms".into());
+    }
+    Ok(Args {
+        mode,
+        addr,
+        count,
+        chatty,
+    })
+}
+
+/// Listen on `addr`; a v4-mapped IPv6 address listens dual-stack on `[::]:PORT` instead.
+fn listen(addr: SocketAddr) -> Result<TcpListener, String> {
+    let mapped = matches!(addr, SocketAddr::V6(a) if a.ip().to_ipv4_mapped().is_some());
+    let bind = if mapped {
+        SocketAddr::new(Ipv6Addr::UNSPECIFIED.into(), addr.port())
+    } else {
+        addr
+    };
+    let fail = |e: std::io::Error| format!("cannot listen on {bind}: {e}");
+    let sock = Socket::new(Domain::for_address(bind), Type::STREAM, None).map_err(fail)?;
+    sock.set_reuse_address(true).map_err(fail)?;
+    if mapped {
+        sock.set_only_v6(false).map_err(fail)?;
+    }
+    sock.bind(&bind.into()).map_err(fail)?;
+    sock.listen(128).map_err(fail)?;
+    Ok(sock.into())
+}
+
+/// The address clients dial: the listener's own port when `addr` asked for port 0.
+fn dial_addr(addr: SocketAddr, listener: &TcpListener) -> Result<SocketAddr, String> {
+    let port = listener
+        .local_addr()
+        .map_err(|e| format!("listener address: {e}"))?
+        .port();
+    Ok(SocketAddr::new(addr.ip(), port))
+}
+
+fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
+    TcpStream::connect(addr).map_err(|e| format!("cannot connect to {addr}: {e}"))
+}
+
+/// Keep `conn` open forever; when chatty, write a byte every `every` and read what arrives.
+/// Errors (peer gone) stop the traffic, never the hold: the socket stays in whatever state.
+fn hold(conn: TcpStream, chatty: Option<Duration>) {
+    let Some(every) = chatty else {
+        thread::spawn(move || sleep_forever(conn));
+        return;
+    };
+    if let Ok(mut reader) = conn.try_clone() {
+        thread::spawn(move || {
+            let mut buf = [0u8; 4096];
+            while matches!(reader.read(&mut buf), Ok(n) if n > 0) {}
+            sleep_forever(reader)
+        });
+    }
+    thread::spawn(move || {
+        let mut writer = conn;
+        while writer.write_all(b".").is_ok() {
+            thread::sleep(every);
+        }
+        sleep_forever(writer)
+    });
+}
+
+fn sleep_forever<T>(_keep: T) -> ! {
+    loop {
+        thread::sleep(Duration::from_secs(3600));
+    }
+}
+
+fn ready(fields: &[(&str, String)]) {
+    let line: Vec<String> = fields.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let mut out = std::io::stdout().lock();
+    // A closed stdout only means nobody waits for us: keep the sockets anyway.
+    let _ = writeln!(out, "ready {}", line.join(" "));
+    let _ = out.flush();
+}
+
+fn local_addrs(conns: &[TcpStream]) -> String {
+    conns
+        .iter()
+        .map(|c| c.local_addr().map(|a| a.to_string()).unwrap_or_default())
+        .collect::<Vec<_>>()
+        .join(",")
+}
+
+fn close_wait(args: &Args) -> Result<(), String> {
+    let listener = listen(args.addr)?;
+    let target = dial_addr(args.addr, &listener)?;
+    let clients = (0..args.count)
+        .map(|_| connect(target))
+        .collect::<Result<Vec<_>, _>>()?;
+    for _ in 0..args.count {
+        let (accepted, _) = listener.accept().map_err(|e| format!("accept: {e}"))?;
+        drop(accepted); // FIN to the client: it enters CLOSE_WAIT.
+    }
+    // A client read returns end-of-file once the FIN has arrived, i.e. once it is in CLOSE_WAIT.
+    for c in &clients {
+        c.set_read_timeout(Some(Duration::from_secs(10)))
+            .map_err(|e| format!("set_read_timeout: {e}"))?;
+        match (&*c).read(&mut [0u8; 1]) {
+            Ok(0) => {}
+            Ok(_) => return Err("client received data instead of a FIN".into()),
+            Err(e) => return Err(format!("waiting for the FIN: {e}")),
+        }
+    }
+    ready(&[
+        ("port", target.port().to_string()),
+        ("count", clients.len().to_string()),
+        ("locals", local_addrs(&clients)),
+    ]);
+    sleep_forever((listener, clients))
+}
+
+fn listen_and_hold(args: &Args) -> Result<(), String> {
+    let listener = listen(args.addr)?;
+    let port = dial_addr(args.addr, &listener)?.port();
+    ready(&[("port", port.to_string())]);
+    loop {
+        match listener.accept() {
+            Ok((conn, _)) => hold(conn, args.chatty),
+            Err(e) => {
+                eprintln!("connreap-testpeer: accept: {e}");
+                thread::sleep(Duration::from_millis(100));
+            }
+        }
+    }
+}
+
+fn connect_and_hold(args: &Args) -> Result<(), String> {
+    let clients = (0..args.count)
+        .map(|_| connect(args.addr))
+        .collect::<Result<Vec<_>, _>>()?;
+    ready(&[
+        ("port", args.addr.port().to_string()),
+        ("count", clients.len().to_string()),
+        ("locals", local_addrs(&clients)),
+    ]);
+    for c in clients {
+        hold(c, args.chatty);
+    }
+    sleep_forever(())
+}
+
+fn main() -> ExitCode {
+    let argv: Vec<String> = std::env::args().skip(1).collect();
+    if argv.iter().any(|a| a == "-h" || a == "--help") {
+        println!("{USAGE}");
+        return ExitCode::SUCCESS;
+    }
+    let args = match parse_args(&argv) {
+        Ok(a) => a,
+        Err(e) => {
+            eprintln!("connreap-testpeer: {e}\n\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let result = match args.mode.as_str() {
+        "close-wait" => close_wait(&args),
+        "listen" => listen_and_hold(&args),
+        _ => connect_and_hold(&args),
+    };
+    if let Err(e) = result {
+        eprintln!("connreap-testpeer {}: {e}", args.mode);
+        return ExitCode::FAILURE;
+    }
+    ExitCode::SUCCESS
+}
