@@ -1,6 +1,6 @@
 //! HTTP API (axum): health, metrics, sockets, findings, quotas.
 use std::{
-    sync::{Arc, RwLock},
+    sync::{Arc, Mutex, RwLock},
     time::Instant,
 };
 
@@ -8,14 +8,14 @@ use axum::{
     extract::{Query, State},
     http::{header, StatusCode},
     response::{IntoResponse, Response},
-    routing::get,
+    routing::{get, post},
     Json, Router,
 };
 use serde_json::json;
 
 use crate::{
-    alert::Alert, config::Config, metrics::Metrics, quota::QuotaStatus, snapshot::FilterArgs,
-    table::Socket,
+    alert::Alert, config::Config, metrics::Metrics, quota::QuotaStatus, reclaim::exec::Reclaimer,
+    scan::Scanner, snapshot::FilterArgs, table::Socket, webhook::Webhooks,
 };
 
 /// What the scan loop publishes for the API.
@@ -36,6 +36,11 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub cfg: Config,
     pub started: Instant,
+    pub scanner: Arc<Mutex<Scanner>>,
+    pub reclaimer: Arc<Mutex<Reclaimer>>,
+    /// Bearer token for POST /v1/reclaim (None: endpoint off).
+    pub token: Option<String>,
+    pub webhooks: Webhooks,
 }
 
 impl AppState {
@@ -54,6 +59,8 @@ pub fn router(state: Arc<AppState>) -> Router {
         .route("/v1/sockets", get(sockets))
         .route("/v1/findings", get(findings))
         .route("/v1/quotas", get(quotas))
+        .route("/v1/reclaims", get(reclaims))
+        .route("/v1/reclaim", post(reclaim))
         .with_state(state)
 }
 
@@ -76,6 +83,7 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
         "findings": p.alerts.len(),
         "webhook_queued": p.webhook_queued,
         "uptime_secs": st.started.elapsed().as_secs(),
+        "reclaim_mechanism": st.reclaimer.lock().map(|r| r.mechanism_name().to_string()).unwrap_or_default(),
     });
     let code = if healthy {
         StatusCode::OK
@@ -121,4 +129,105 @@ async fn findings(State(st): State<Arc<AppState>>) -> Response {
 
 async fn quotas(State(st): State<Arc<AppState>>) -> Response {
     Json(json!({ "quotas": st.read().quotas })).into_response()
+}
+
+async fn reclaims(State(st): State<Arc<AppState>>) -> Response {
+    let recent = st.reclaimer.lock().map(|r| r.recent()).unwrap_or_default();
+    Json(json!({ "reclaims": recent })).into_response()
+}
+
+#[derive(serde::Deserialize)]
+struct ReclaimRequest {
+    policy: String,
+    #[serde(default)]
+    dry_run: bool,
+}
+
+fn authorized(st: &AppState, headers: &axum::http::HeaderMap) -> Result<(), Response> {
+    let Some(token) = &st.token else {
+        return Err(error(
+            StatusCode::NOT_FOUND,
+            "POST /v1/reclaim is off: set api.token_file in the config",
+        ));
+    };
+    let given = headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.strip_prefix("Bearer "));
+    // Constant-time comparison of the token bytes.
+    let ok = given.is_some_and(|g| {
+        g.len() == token.len()
+            && g.bytes()
+                .zip(token.bytes())
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    });
+    if ok {
+        Ok(())
+    } else {
+        Err(error(
+            StatusCode::UNAUTHORIZED,
+            "missing or wrong bearer token",
+        ))
+    }
+}
+
+async fn reclaim(
+    State(st): State<Arc<AppState>>,
+    headers: axum::http::HeaderMap,
+    body: Result<Json<ReclaimRequest>, axum::extract::rejection::JsonRejection>,
+) -> Response {
+    if let Err(r) = authorized(&st, &headers) {
+        return r;
+    }
+    let req = match body {
+        Ok(Json(r)) => r,
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("expected {{\"policy\": NAME, \"dry_run\": bool}}: {e}"),
+            )
+        }
+    };
+    let Some(policy) = st.cfg.policy.iter().find(|p| p.name == req.policy).cloned() else {
+        let names: Vec<&str> = st.cfg.policy.iter().map(|p| p.name.as_str()).collect();
+        return error(
+            StatusCode::BAD_REQUEST,
+            format!(
+                "no policy named `{}` (configured: {})",
+                req.policy,
+                names.join(", ")
+            ),
+        );
+    };
+    let st2 = st.clone();
+    let result = tokio::task::spawn_blocking(move || {
+        let quotas = st2.read().quotas.clone();
+        let mut scanner = st2.scanner.lock().unwrap_or_else(|e| e.into_inner());
+        let table = scanner.scan().map_err(|e| e.to_string())?;
+        let mut reclaimer = st2.reclaimer.lock().unwrap_or_else(|e| e.into_inner());
+        Ok::<_, String>(reclaimer.round(
+            &policy,
+            &st2.cfg,
+            &mut scanner,
+            &table,
+            &quotas,
+            req.dry_run,
+        ))
+    })
+    .await;
+    match result {
+        Ok(Ok(round)) => {
+            crate::daemon::after_round(&st, &round);
+            Json(round).into_response()
+        }
+        Ok(Err(e)) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("scan failed: {e}"),
+        ),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("reclaim task failed: {e}"),
+        ),
+    }
 }

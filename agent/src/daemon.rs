@@ -16,8 +16,12 @@ use crate::{
     config::{Config, QuotaConfig},
     detect::{self, ConnKey, Memory, StormTracker},
     kernel::{Kernel, KernelError},
-    metrics::Metrics,
+    metrics::{MechanismLabels, Metrics, ReclaimLabels},
     quota::{self, QuotaStatus},
+    reclaim::{
+        exec::{Reclaimer, RoundResult},
+        Outcome,
+    },
     scan::Scanner,
     table::Socket,
     webhook::Webhooks,
@@ -128,18 +132,72 @@ async fn shutdown_signal() {
     let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Stopping]);
 }
 
+/// Metrics and the `reclaimed` notification for one reclaim round.
+pub fn after_round(st: &AppState, round: &RoundResult) {
+    for d in &round.decisions {
+        st.metrics
+            .reclaims
+            .get_or_create(&ReclaimLabels {
+                policy: d.policy.clone(),
+                result: serde_json::to_value(d.result)
+                    .ok()
+                    .and_then(|v| v.as_str().map(String::from))
+                    .unwrap_or_default(),
+            })
+            .inc();
+    }
+    let n = round.killed();
+    if n == 0 {
+        return;
+    }
+    let mut owners: BTreeMap<(Option<u32>, String), usize> = BTreeMap::new();
+    for d in round
+        .decisions
+        .iter()
+        .filter(|d| d.result == Outcome::Killed)
+    {
+        *owners.entry((d.pid, d.comm.clone())).or_default() += 1;
+    }
+    let processes: Vec<serde_json::Value> = owners
+        .iter()
+        .map(|((pid, comm), count)| serde_json::json!({"pid": pid, "comm": comm, "count": count}))
+        .collect();
+    let quota_text = round
+        .quota
+        .as_ref()
+        .map(|q| format!(" ({} quota at {}/{} before)", q.name, q.used, q.limit))
+        .unwrap_or_default();
+    let sockets: Vec<&crate::reclaim::Decision> = round
+        .decisions
+        .iter()
+        .filter(|d| d.result == Outcome::Killed)
+        .take(crate::detect::MAX_SOCKETS)
+        .collect();
+    st.webhooks.send_event(&serde_json::json!({
+        "kind": "reclaimed",
+        "status": "firing",
+        "host": host_name(&st.cfg),
+        "policy": round.policy,
+        "mode": round.mode,
+        "count": n,
+        "summary": format!("policy {} closed {n} socket{}{quota_text}", round.policy, if n == 1 { "" } else { "s" }),
+        "processes": processes,
+        "quota": round.quota,
+        "sockets": sockets,
+        "time": rfc3339(chrono::Utc::now()),
+    }));
+}
+
 struct Loop {
     cfg: Config,
-    scanner: Arc<Mutex<Scanner>>,
     storm: Arc<Mutex<StormTracker>>,
     http_quotas: Arc<Mutex<BTreeMap<String, QuotaStatus>>>,
     state: Arc<AppState>,
-    webhooks: Webhooks,
 }
 
 impl Loop {
     async fn scan(&self) -> Result<(Vec<Socket>, crate::kernel::Counters), String> {
-        let sc = self.scanner.clone();
+        let sc = self.state.scanner.clone();
         let res = tokio::task::spawn_blocking(move || -> Result<_, KernelError> {
             let mut s = lock(&sc);
             let table = s.scan()?;
@@ -175,6 +233,23 @@ impl Loop {
                 }
             })
             .collect()
+    }
+
+    fn reclaim_rounds(&self, table: &[Socket], quotas: &[QuotaStatus]) {
+        for policy in &self.cfg.policy {
+            let round = tokio::task::block_in_place(|| {
+                let mut scanner = lock(&self.state.scanner);
+                lock(&self.state.reclaimer).round(
+                    policy,
+                    &self.cfg,
+                    &mut scanner,
+                    table,
+                    quotas,
+                    false,
+                )
+            });
+            after_round(&self.state, &round);
+        }
     }
 
     async fn run(self) -> anyhow::Result<()> {
@@ -220,8 +295,9 @@ impl Loop {
             metrics.observe_kernel(counters);
             let update = tracker.update(findings, Instant::now(), chrono::Utc::now());
             for alert in &update.notify {
-                self.webhooks.send(alert);
+                self.state.webhooks.send(alert);
             }
+            self.reclaim_rounds(&table, &quotas);
             let first = {
                 let mut p = self.state.write();
                 p.table = table;
@@ -230,7 +306,7 @@ impl Loop {
                 p.last_scan = Some(Instant::now());
                 p.last_scan_error = None;
                 p.scans += 1;
-                p.webhook_queued = self.webhooks.queued();
+                p.webhook_queued = self.state.webhooks.queued();
                 p.scans == 1
             };
             metrics.scan_duration.observe(t0.elapsed().as_secs_f64());
@@ -246,6 +322,23 @@ impl Loop {
             }
         }
     }
+}
+
+/// The bearer token for POST /v1/reclaim, if configured.
+fn read_token(cfg: &Config) -> anyhow::Result<Option<String>> {
+    if cfg.api.token_file.is_empty() {
+        return Ok(None);
+    }
+    let t = std::fs::read_to_string(&cfg.api.token_file)
+        .with_context(|| format!("cannot read api.token_file {}", cfg.api.token_file))?;
+    let t = t.trim().to_string();
+    if t.len() < 16 {
+        anyhow::bail!(
+            "api.token_file {}: token must be at least 16 characters",
+            cfg.api.token_file
+        );
+    }
+    Ok(Some(t))
 }
 
 pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<()> {
@@ -265,11 +358,23 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         ));
     }
     let webhooks = Webhooks::spawn(&cfg.webhook, &cfg.alerts, metrics.clone());
+    let token = read_token(&cfg)?;
+    let reclaimer = tokio::task::block_in_place(|| Reclaimer::new(&cfg));
+    metrics
+        .reclaim_mechanism
+        .get_or_create(&MechanismLabels {
+            mechanism: reclaimer.mechanism_name().to_string(),
+        })
+        .set(1);
     let state = Arc::new(AppState {
         published: Default::default(),
         metrics,
         cfg: cfg.clone(),
         started: Instant::now(),
+        scanner: Arc::new(Mutex::new(scanner)),
+        reclaimer: Arc::new(Mutex::new(reclaimer)),
+        token,
+        webhooks,
     });
     let listener = tokio::net::TcpListener::bind(cfg.agent.listen)
         .await
@@ -280,11 +385,9 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         axum::serve(listener, api::router(state.clone())).with_graceful_shutdown(shutdown_signal());
     let scan_loop = Loop {
         cfg,
-        scanner: Arc::new(Mutex::new(scanner)),
         storm,
         http_quotas,
         state,
-        webhooks,
     };
     tokio::select! {
         r = server => r.context("HTTP API failed")?,

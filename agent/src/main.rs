@@ -7,6 +7,7 @@ mod detect;
 mod kernel;
 mod metrics;
 mod quota;
+mod reclaim;
 mod scan;
 mod snapshot;
 mod table;
@@ -44,6 +45,16 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Run one reclaim round of a policy now and print its decisions (JSON lines).
+    Reclaim {
+        #[arg(long)]
+        policy: String,
+        /// Decide but close nothing, even for an enforce policy.
+        #[arg(long)]
+        dry_run: bool,
+        #[arg(long)]
+        config: Option<std::path::PathBuf>,
+    },
     /// Remove the pinned state tracker (/sys/fs/bpf/connreap): ages start over.
     Unpin,
 }
@@ -59,6 +70,7 @@ fn init_tracing(verbose: bool) {
     tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .init();
 }
 
@@ -105,6 +117,58 @@ fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
+fn reclaim_once(
+    verbose: bool,
+    cfg: &config::Config,
+    name: &str,
+    dry_run: bool,
+) -> anyhow::Result<()> {
+    let Some(policy) = cfg.policy.iter().find(|p| p.name == name) else {
+        let names: Vec<&str> = cfg.policy.iter().map(|p| p.name.as_str()).collect();
+        anyhow::bail!(
+            "no policy named `{name}` (configured: {})",
+            names.join(", ")
+        );
+    };
+    let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
+    let table = scanner.scan()?;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()?;
+    let client = reqwest::Client::builder().no_proxy().build()?;
+    let now = alert::rfc3339(chrono::Utc::now());
+    let quotas: Vec<quota::QuotaStatus> = cfg
+        .quota
+        .iter()
+        .map(|q| {
+            if q.is_http() {
+                let timeout = quota::timeout(q, cfg.agent.scan_interval);
+                rt.block_on(quota::poll(&client, q, timeout, None))
+            } else {
+                quota::static_status(q, &table, &now)
+            }
+        })
+        .collect();
+    let mut reclaimer = reclaim::exec::Reclaimer::new(cfg);
+    let round = reclaimer.round(policy, cfg, &mut scanner, &table, &quotas, dry_run);
+    for d in &round.decisions {
+        println!("{}", serde_json::to_string(d)?);
+    }
+    eprintln!(
+        "policy {} ({}): {} decisions, {} killed{}",
+        round.policy,
+        round.mode,
+        round.decisions.len(),
+        round.killed(),
+        round
+            .note
+            .as_ref()
+            .map(|n| format!("; {n}"))
+            .unwrap_or_default()
+    );
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
@@ -112,6 +176,17 @@ fn main() -> ExitCode {
         Cmd::Run { config } => match run(cli.verbose, config.as_deref()) {
             Ok(code) => return code,
             Err(e) => Err(e),
+        },
+        Cmd::Reclaim {
+            policy,
+            dry_run,
+            config,
+        } => match config::load_default(config.as_deref()) {
+            Ok((cfg, _)) => reclaim_once(cli.verbose, &cfg, policy, *dry_run),
+            Err(e) => {
+                eprintln!("connreap: invalid configuration: {e}");
+                return ExitCode::from(config::EX_CONFIG);
+            }
         },
         Cmd::CheckConfig { path } => match config::load(path) {
             Ok(c) => {

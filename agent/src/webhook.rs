@@ -108,8 +108,34 @@ impl Webhooks {
     }
 
     pub fn send(&self, alert: &Alert) {
+        self.enqueue(|format| body(alert, format, self.repeat));
+    }
+
+    /// A one-off event (e.g. `reclaimed`): sent as is to JSON receivers, as an alert that
+    /// starts and ends now to Alertmanager.
+    pub fn send_event(&self, event: &Value) {
+        self.enqueue(|format| match format {
+            WebhookFormat::Json => event.clone(),
+            WebhookFormat::Alertmanager => {
+                let now = crate::alert::rfc3339(chrono::Utc::now());
+                json!([{
+                    "labels": {
+                        "alertname": event.get("kind").cloned().unwrap_or(json!("event")),
+                        "host": event.get("host").cloned().unwrap_or_default(),
+                        "policy": event.get("policy").cloned().unwrap_or_default(),
+                        "service": "connreap",
+                    },
+                    "annotations": { "summary": event.get("summary").cloned().unwrap_or_default() },
+                    "startsAt": now,
+                    "endsAt": now,
+                }])
+            }
+        });
+    }
+
+    fn enqueue(&self, make: impl Fn(WebhookFormat) -> Value) {
         for (cfg, q) in &self.receivers {
-            let value = body(alert, cfg.format, self.repeat);
+            let value = make(cfg.format);
             let dropped = {
                 let mut items = q.items.lock().unwrap_or_else(|e| e.into_inner());
                 items.push_back(value);

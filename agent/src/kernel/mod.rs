@@ -6,6 +6,7 @@
 //! `/sys/fs/bpf/connreap/<object-hash>/` so that socket ages survive agent restarts and one-shot
 //! commands like `snapshot` see ages of sockets created before they ran. A new object (upgrade)
 //! gets a new directory and the stale ones are removed, which detaches the old tracker.
+pub mod diag;
 pub mod offsets;
 
 use std::{

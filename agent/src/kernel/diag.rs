@@ -1,0 +1,179 @@
+//! netlink sock_diag: exact-socket lookup and SOCK_DESTROY (what `ss -K` does).
+use std::net::{IpAddr, SocketAddr};
+
+use netlink_packet_core::{
+    NetlinkHeader, NetlinkMessage, NetlinkPayload, NLM_F_ACK, NLM_F_REQUEST,
+};
+use netlink_packet_sock_diag::{
+    constants::{AF_INET, AF_INET6, IPPROTO_TCP},
+    inet::{ExtensionFlags, InetRequest, SocketId, StateFlags},
+    SockDiagDestroy, SockDiagMessage,
+};
+use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket};
+
+/// The kernel's "any cookie" value.
+pub const NO_COOKIE: [u8; 8] = [0xff; 8];
+
+#[derive(Debug, thiserror::Error)]
+pub enum DiagError {
+    #[error("netlink socket: {0}")]
+    Socket(std::io::Error),
+    #[error("kernel answered {errno} ({msg})")]
+    Kernel { errno: i32, msg: String },
+    #[error("unexpected netlink reply: {0}")]
+    Reply(String),
+}
+
+impl DiagError {
+    pub fn errno(&self) -> Option<i32> {
+        match self {
+            DiagError::Kernel { errno, .. } => Some(*errno),
+            _ => None,
+        }
+    }
+}
+
+/// What sock_diag says about one socket.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DiagSocket {
+    pub inode: u32,
+    pub cookie: [u8; 8],
+    pub state: u8,
+}
+
+fn request(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> InetRequest {
+    let family = if local.is_ipv4() { AF_INET } else { AF_INET6 };
+    InetRequest {
+        family,
+        protocol: IPPROTO_TCP,
+        extensions: ExtensionFlags::empty(),
+        states: StateFlags::all(),
+        socket_id: SocketId {
+            source_port: local.port(),
+            destination_port: peer.port(),
+            source_address: local.ip(),
+            destination_address: match (local.ip(), peer.ip()) {
+                (IpAddr::V6(_), IpAddr::V4(v4)) => IpAddr::V6(v4.to_ipv6_mapped()),
+                (_, ip) => ip,
+            },
+            interface_id: 0,
+            cookie,
+        },
+    }
+}
+
+fn open() -> Result<Socket, DiagError> {
+    let mut s = Socket::new(NETLINK_SOCK_DIAG).map_err(DiagError::Socket)?;
+    s.bind_auto().map_err(DiagError::Socket)?;
+    s.connect(&netlink_sys::SocketAddr::new(0, 0))
+        .map_err(DiagError::Socket)?;
+    Ok(s)
+}
+
+fn kernel_error(code: i32) -> DiagError {
+    let errno = code.abs();
+    DiagError::Kernel {
+        errno,
+        msg: std::io::Error::from_raw_os_error(errno).to_string(),
+    }
+}
+
+fn send<T>(sock: &Socket, mut msg: NetlinkMessage<T>) -> Result<(), DiagError>
+where
+    T: netlink_packet_core::NetlinkSerializable,
+{
+    msg.finalize();
+    let mut buf = vec![0; msg.buffer_len()];
+    msg.serialize(&mut buf);
+    sock.send(&buf, 0).map_err(DiagError::Socket)?;
+    Ok(())
+}
+
+/// Look up the socket with exactly this 4-tuple (kernel-side exact match).
+pub fn lookup(local: SocketAddr, peer: SocketAddr) -> Result<Option<DiagSocket>, DiagError> {
+    let sock = open()?;
+    let mut hdr = NetlinkHeader::default();
+    hdr.flags = NLM_F_REQUEST;
+    let msg = NetlinkMessage::new(
+        hdr,
+        SockDiagMessage::InetRequest(request(local, peer, NO_COOKIE)).into(),
+    );
+    send(&sock, msg)?;
+    let mut buf = vec![0; 8192];
+    let n = sock.recv(&mut &mut buf[..], 0).map_err(DiagError::Socket)?;
+    let reply = <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n])
+        .map_err(|e| DiagError::Reply(e.to_string()))?;
+    match reply.payload {
+        NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => Ok(Some(DiagSocket {
+            inode: r.header.inode,
+            cookie: r.header.socket_id.cookie,
+            state: r.header.state,
+        })),
+        NetlinkPayload::Error(e) => match e.code {
+            Some(code) if code.get().abs() == libc::ENOENT => Ok(None),
+            Some(code) => Err(kernel_error(code.get())),
+            None => Err(DiagError::Reply("ACK without a socket".into())),
+        },
+        other => Err(DiagError::Reply(format!("{other:?}"))),
+    }
+}
+
+/// Destroy the socket with this 4-tuple and cookie. The kernel checks the cookie, so a socket
+/// that reused the 4-tuple is never hit.
+pub fn destroy(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> Result<(), DiagError> {
+    let sock = open()?;
+    let mut hdr = NetlinkHeader::default();
+    hdr.flags = NLM_F_REQUEST | NLM_F_ACK;
+    let msg = NetlinkMessage::new(
+        hdr,
+        NetlinkPayload::from(SockDiagDestroy::new(SockDiagMessage::InetRequest(request(
+            local, peer, cookie,
+        )))),
+    );
+    send(&sock, msg)?;
+    let mut buf = vec![0; 8192];
+    let n = sock.recv(&mut &mut buf[..], 0).map_err(DiagError::Socket)?;
+    let reply = <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n])
+        .map_err(|e| DiagError::Reply(e.to_string()))?;
+    match reply.payload {
+        NetlinkPayload::Error(e) => match e.code {
+            None => Ok(()),
+            Some(code) => Err(kernel_error(code.get())),
+        },
+        other => Err(DiagError::Reply(format!("{other:?}"))),
+    }
+}
+
+/// Check that destroy works here, on a loopback pair of our own. Returns the mechanism name.
+pub fn probe() -> Result<&'static str, String> {
+    use std::io::Read;
+    let listener =
+        std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("probe listener: {e}"))?;
+    let server_addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let mut client =
+        std::net::TcpStream::connect(server_addr).map_err(|e| format!("probe connect: {e}"))?;
+    let (_server, _) = listener
+        .accept()
+        .map_err(|e| format!("probe accept: {e}"))?;
+    let local = client.local_addr().map_err(|e| e.to_string())?;
+    let found = lookup(local, server_addr)
+        .map_err(|e| format!("sock_diag lookup: {e}"))?
+        .ok_or("sock_diag lookup did not find the probe socket")?;
+    destroy(local, server_addr, found.cookie).map_err(|e| match e.errno() {
+        Some(libc::EOPNOTSUPP) => {
+            "netlink SOCK_DESTROY not supported (kernel built without CONFIG_INET_DIAG_DESTROY)"
+                .to_string()
+        }
+        _ => format!("netlink SOCK_DESTROY failed: {e}"),
+    })?;
+    client
+        .set_read_timeout(Some(std::time::Duration::from_secs(1)))
+        .map_err(|e| e.to_string())?;
+    let mut b = [0u8; 1];
+    match client.read(&mut b) {
+        Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => Ok("netlink-sock-destroy"),
+        other => Err(format!(
+            "probe socket survived SOCK_DESTROY (read gave {other:?})"
+        )),
+    }
+}

@@ -1,0 +1,255 @@
+//! One reclaim round: arm, plan, re-check each target against the kernel right before the kill,
+//! destroy through netlink, and record every decision in the audit log.
+use std::{
+    collections::{HashMap, VecDeque},
+    fs::{self, OpenOptions},
+    io::Write,
+    path::PathBuf,
+};
+
+use serde::Serialize;
+
+use super::{armed, decision, mode_name, old_enough, plan, selected, Decision, Outcome};
+use crate::{
+    config::{Config, PolicyConfig, PolicyMode},
+    detect::QuotaRef,
+    kernel::diag,
+    quota::QuotaStatus,
+    scan::Scanner,
+    table::Socket,
+};
+
+const RECENT: usize = 1000;
+
+#[derive(Debug, Default, Serialize)]
+pub struct RoundResult {
+    pub policy: String,
+    pub mode: String,
+    /// Why the policy did nothing this round (not armed, waiting for a fresh reading...).
+    pub note: Option<String>,
+    pub quota: Option<QuotaRef>,
+    pub decisions: Vec<Decision>,
+}
+
+impl RoundResult {
+    pub fn killed(&self) -> usize {
+        self.decisions
+            .iter()
+            .filter(|d| d.result == Outcome::Killed)
+            .count()
+    }
+}
+
+pub struct Reclaimer {
+    /// The destroy mechanism, or why there is none.
+    pub mechanism: Result<&'static str, String>,
+    audit_path: PathBuf,
+    recent: VecDeque<Decision>,
+    /// Per policy: the quota reading its last killing round acted on. A policy never acts
+    /// twice on the same reading (the kills it made are not in it yet).
+    acted_on: HashMap<String, String>,
+}
+
+impl Reclaimer {
+    pub fn new(cfg: &Config) -> Self {
+        let mechanism = diag::probe();
+        match &mechanism {
+            Ok(m) => tracing::info!(mechanism = m, "socket destroy works"),
+            Err(e) if cfg.policy.iter().any(|p| p.mode == PolicyMode::Enforce) => {
+                tracing::error!(reason = %e, "NO socket destroy mechanism: enforce policies will run as DRY-RUN")
+            }
+            Err(e) => tracing::warn!(reason = %e, "no socket destroy mechanism"),
+        }
+        Reclaimer {
+            mechanism,
+            audit_path: PathBuf::from(&cfg.reclaim.audit_log),
+            recent: VecDeque::new(),
+            acted_on: HashMap::new(),
+        }
+    }
+
+    pub fn mechanism_name(&self) -> &str {
+        match &self.mechanism {
+            Ok(m) => m,
+            Err(_) => "none",
+        }
+    }
+
+    pub fn recent(&self) -> Vec<Decision> {
+        self.recent.iter().cloned().collect()
+    }
+
+    fn audit(&mut self, decisions: &[Decision]) -> std::io::Result<()> {
+        let mut f = open_audit(&self.audit_path)?;
+        for d in decisions {
+            let line = serde_json::to_string(d).map_err(std::io::Error::other)?;
+            writeln!(f, "{line}")?;
+        }
+        f.flush()
+    }
+
+    /// Run one round of `policy` against `table`. `force_dry_run` for `--dry-run` requests.
+    pub fn round(
+        &mut self,
+        p: &PolicyConfig,
+        cfg: &Config,
+        scanner: &mut Scanner,
+        table: &[Socket],
+        quotas: &[QuotaStatus],
+        force_dry_run: bool,
+    ) -> RoundResult {
+        let mut res = RoundResult {
+            policy: p.name.clone(),
+            ..Default::default()
+        };
+        let quota = match armed(p, quotas, cfg.detect.quota_saturation) {
+            Ok(q) => q,
+            Err(why) => {
+                res.mode = mode_name(p.mode).into();
+                res.note = Some(why);
+                return res;
+            }
+        };
+        let reading = quotas
+            .iter()
+            .find(|q| Some(&q.name) == p.quota.as_ref())
+            .and_then(|q| q.last_poll.clone());
+        let mut mode = mode_name(p.mode).to_string();
+        let mut enforce = p.mode == PolicyMode::Enforce && !force_dry_run;
+        if force_dry_run && p.mode == PolicyMode::Enforce {
+            mode = "dry-run (requested)".into();
+        }
+        if enforce {
+            if let Err(why) = &self.mechanism {
+                enforce = false;
+                mode = format!("dry-run (enforce requested, but no destroy mechanism: {why})");
+            } else if let Err(e) = open_audit(&self.audit_path) {
+                enforce = false;
+                mode = format!(
+                    "dry-run (enforce requested, but the audit log {} is not writable: {e})",
+                    self.audit_path.display()
+                );
+            } else if reading.is_some() && self.acted_on.get(&p.name) == reading.as_ref() {
+                res.mode = mode;
+                res.note =
+                    Some("waiting for a quota reading taken after the last round's kills".into());
+                return res;
+            }
+        }
+        res.mode = mode.clone();
+        res.quota = quota.clone();
+        let own = std::process::id();
+        let planned = plan(p, &cfg.reclaim, own, table);
+        for (s, why) in &planned.skipped {
+            res.decisions.push(decision(
+                p,
+                &mode,
+                s,
+                &quota,
+                Outcome::Skipped,
+                Some(why.clone()),
+            ));
+        }
+        if !enforce {
+            for s in &planned.targets {
+                res.decisions
+                    .push(decision(p, &mode, s, &quota, Outcome::WouldKill, None));
+            }
+        } else if !planned.targets.is_empty() {
+            // Re-read the table right before killing: same socket (address and inode), same
+            // owner, still selected and still idle enough.
+            match scanner.scan() {
+                Err(e) => {
+                    for s in &planned.targets {
+                        res.decisions.push(decision(
+                            p,
+                            &mode,
+                            s,
+                            &quota,
+                            Outcome::Failed,
+                            Some(format!("re-check scan failed: {e}")),
+                        ));
+                    }
+                }
+                Ok(fresh) => {
+                    let now: HashMap<(u64, u64), &Socket> =
+                        fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
+                    for s in &planned.targets {
+                        let (outcome, why) = kill(p, s, now.get(&(s.skaddr, s.inode)).copied());
+                        res.decisions
+                            .push(decision(p, &mode, s, &quota, outcome, why));
+                    }
+                }
+            }
+            if res.killed() > 0 {
+                if let Some(r) = reading {
+                    self.acted_on.insert(p.name.clone(), r);
+                }
+            }
+        }
+        if !res.decisions.is_empty() {
+            if let Err(e) = self.audit(&res.decisions) {
+                tracing::error!(path = %self.audit_path.display(), error = %e, "cannot append to the audit log");
+            }
+            for d in &res.decisions {
+                tracing::info!(policy = %d.policy, mode = %d.mode, result = ?d.result, reason = d.reason.as_deref().unwrap_or(""),
+                    local = %d.local, peer = %d.peer, pid = ?d.pid, comm = %d.comm, "reclaim decision");
+                self.recent.push_back(d.clone());
+            }
+            while self.recent.len() > RECENT {
+                self.recent.pop_front();
+            }
+        }
+        res
+    }
+}
+
+fn open_audit(path: &PathBuf) -> std::io::Result<fs::File> {
+    if let Some(dir) = path.parent() {
+        fs::create_dir_all(dir)?;
+    }
+    OpenOptions::new().create(true).append(true).open(path)
+}
+
+/// Re-check one target against its fresh kernel view, then destroy it.
+fn kill(p: &PolicyConfig, was: &Socket, now: Option<&Socket>) -> (Outcome, Option<String>) {
+    let Some(now) = now else {
+        return (Outcome::Skipped, Some("gone before the kill".into()));
+    };
+    if now.pid() != was.pid() {
+        return (
+            Outcome::Skipped,
+            Some("owner changed since selection".into()),
+        );
+    }
+    if !selected(&p.select, now) || !old_enough(p, now) {
+        return (
+            Outcome::Skipped,
+            Some(format!(
+                "no longer matches on re-check (state {}, idle {})",
+                now.state,
+                now.idle
+                    .map(crate::snapshot::human)
+                    .unwrap_or_else(|| "-".into())
+            )),
+        );
+    }
+    match diag::lookup(now.local, now.peer) {
+        Ok(None) => (Outcome::Skipped, Some("closed before the kill".into())),
+        Ok(Some(d)) if d.inode as u64 != now.inode && now.inode != 0 => (
+            Outcome::Skipped,
+            Some(format!(
+                "4-tuple now belongs to inode {}: not the selected socket",
+                d.inode
+            )),
+        ),
+        Ok(Some(d)) => match diag::destroy(now.local, now.peer, d.cookie) {
+            Ok(()) => (Outcome::Killed, None),
+            Err(e) if e.errno() == Some(libc::ENOENT) => {
+                (Outcome::Skipped, Some("closed before the kill".into()))
+            }
+            Err(e) => (Outcome::Failed, Some(format!("SOCK_DESTROY: {e}"))),
+        },
+        Err(e) => (Outcome::Failed, Some(format!("sock_diag lookup: {e}"))),
+    }
+}

@@ -1,0 +1,339 @@
+//! Reclaim policies: which sockets a policy may close this round (pure), and the decisions
+//! that come out of a round. Execution (re-check, destroy, audit) lives in `exec`.
+pub mod exec;
+
+use std::{net::SocketAddr, time::Duration};
+
+use serde::Serialize;
+
+use crate::{
+    config::{PolicyConfig, PolicyMode, ReclaimConfig, Selector, Trigger},
+    detect::QuotaRef,
+    quota::QuotaStatus,
+    table::{Socket, TcpState},
+};
+
+/// States a policy may act on when it names none.
+pub const DEFAULT_STATES: [TcpState; 2] = [TcpState::Established, TcpState::CloseWait];
+
+fn canon(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+/// Does the socket match the policy's selectors (not its thresholds)?
+pub fn selected(sel: &Selector, s: &Socket) -> bool {
+    let states: &[TcpState] = if sel.states.is_empty() {
+        &DEFAULT_STATES
+    } else {
+        &sel.states
+    };
+    states.contains(&s.state)
+        && sel.comm.as_deref().is_none_or(|c| c == s.comm())
+        && sel.pid.is_none_or(|p| s.pid() == Some(p))
+        && sel
+            .unit
+            .as_deref()
+            .is_none_or(|u| s.owner.as_ref().and_then(|o| o.unit.as_deref()) == Some(u))
+        && sel.local_port.is_none_or(|p| p == s.local.port())
+        && sel.peer_port.is_none_or(|p| p == s.peer.port())
+        && sel.peer.is_none_or(|p| canon(p) == canon(s.peer))
+}
+
+/// Idle and age thresholds. Unknown ages count as their lower bound (never over-estimated).
+pub fn old_enough(p: &PolicyConfig, s: &Socket) -> bool {
+    p.min_idle
+        .is_none_or(|min| s.idle.is_some_and(|i| i >= min))
+        && p.min_age.is_none_or(|min| s.age >= min)
+}
+
+/// Why a selected socket must not be touched, whatever the policy says.
+pub fn protected(rc: &ReclaimConfig, own_pid: u32, s: &Socket) -> Option<String> {
+    if matches!(
+        s.state,
+        TcpState::Listen | TcpState::TimeWait | TcpState::NewSynRecv
+    ) {
+        return Some(format!("{} sockets are never reclaimed", s.state));
+    }
+    for port in [s.local.port(), s.peer.port()] {
+        if rc.protect_ports.contains(&port) {
+            return Some(format!("port {port} is in reclaim.protect_ports"));
+        }
+    }
+    if s.pid() == Some(own_pid) || s.shared_with.contains(&own_pid) {
+        return Some("connreap's own socket".into());
+    }
+    None
+}
+
+/// Is a quota-saturated policy armed? Ok(Some(quota)) armed, Ok(None) for "always", Err(why not).
+pub fn armed(
+    p: &PolicyConfig,
+    quotas: &[QuotaStatus],
+    saturation: f64,
+) -> Result<Option<QuotaRef>, String> {
+    if p.trigger == Trigger::Always {
+        return Ok(None);
+    }
+    let name = p.quota.as_deref().unwrap_or("");
+    let q = quotas
+        .iter()
+        .find(|q| q.name == name)
+        .ok_or_else(|| format!("quota {name} has no reading yet"))?;
+    if let Some(e) = &q.error {
+        return Err(format!(
+            "quota {name} unavailable ({e}): never act on stale data"
+        ));
+    }
+    if q.last_poll.is_none() {
+        return Err(format!("quota {name} has no reading yet"));
+    }
+    q.entries
+        .iter()
+        .filter(|e| e.used as f64 >= saturation * e.limit as f64)
+        .max_by(|a, b| (a.used * b.limit).cmp(&(b.used * a.limit)))
+        .map(|e| {
+            Some(QuotaRef {
+                name: name.to_string(),
+                used: e.used,
+                limit: e.limit,
+            })
+        })
+        .ok_or_else(|| format!("quota {name} below saturation"))
+}
+
+/// The sockets to act on this round (oldest first, at most max_per_round) and the selected
+/// ones that must be skipped, with why.
+pub struct Plan<'a> {
+    pub targets: Vec<&'a Socket>,
+    pub skipped: Vec<(&'a Socket, String)>,
+}
+
+pub fn plan<'a>(
+    p: &PolicyConfig,
+    rc: &ReclaimConfig,
+    own_pid: u32,
+    table: &'a [Socket],
+) -> Plan<'a> {
+    let mut targets = Vec::new();
+    let mut skipped = Vec::new();
+    for s in table
+        .iter()
+        .filter(|s| selected(&p.select, s) && old_enough(p, s))
+    {
+        match protected(rc, own_pid, s) {
+            Some(why) => skipped.push((s, why)),
+            None => targets.push(s),
+        }
+    }
+    // Oldest first: time in state, then idle time.
+    targets.sort_by(|a, b| b.age.cmp(&a.age).then(b.idle.cmp(&a.idle)));
+    targets.truncate(p.max_per_round);
+    Plan { targets, skipped }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Outcome {
+    WouldKill,
+    Killed,
+    Skipped,
+    Failed,
+}
+
+/// One decision: a line of the audit log and an entry of GET /v1/reclaims.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Decision {
+    pub time: String,
+    pub policy: String,
+    pub mode: String,
+    pub result: Outcome,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    pub local: String,
+    pub peer: String,
+    pub inode: u64,
+    pub cookie: String,
+    pub pid: Option<u32>,
+    pub comm: String,
+    pub unit: Option<String>,
+    pub state: TcpState,
+    pub age_secs: f64,
+    pub age_exact: bool,
+    pub idle_secs: Option<f64>,
+    pub quota: Option<QuotaRef>,
+    pub agent_pid: u32,
+}
+
+pub fn decision(
+    p: &PolicyConfig,
+    mode: &str,
+    s: &Socket,
+    quota: &Option<QuotaRef>,
+    result: Outcome,
+    reason: Option<String>,
+) -> Decision {
+    let secs = |d: Duration| (d.as_secs_f64() * 1000.0).round() / 1000.0;
+    Decision {
+        time: crate::alert::rfc3339(chrono::Utc::now()),
+        policy: p.name.clone(),
+        mode: mode.to_string(),
+        result,
+        reason,
+        local: s.local.to_string(),
+        peer: s.peer.to_string(),
+        inode: s.inode,
+        cookie: format!("{:#x}", s.cookie),
+        pid: s.pid(),
+        comm: s.comm().to_string(),
+        unit: s.owner.as_ref().and_then(|o| o.unit.clone()),
+        state: s.state,
+        age_secs: secs(s.age),
+        age_exact: s.age_exact,
+        idle_secs: s.idle.map(secs),
+        quota: quota.clone(),
+        agent_pid: std::process::id(),
+    }
+}
+
+pub fn mode_name(m: PolicyMode) -> &'static str {
+    match m {
+        PolicyMode::DryRun => "dry-run",
+        PolicyMode::Enforce => "enforce",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{config::parse, detect::testutil::sock, quota::QuotaEntry};
+
+    fn policy(extra: &str) -> (PolicyConfig, ReclaimConfig) {
+        let text = format!(
+            r#"[reclaim]
+protect_ports = [22]
+[[quota]]
+name = "relay"
+url = "http://127.0.0.1:20080/status"
+items = "/endpoints"
+port_field = "port"
+used_field = "streams"
+limit_field = "maxStreams"
+[[policy]]
+name = "relay-leaks"
+mode = "enforce"
+quota = "relay"
+{extra}"#
+        );
+        let mut c = parse(&text, "t").unwrap();
+        (c.policy.remove(0), c.reclaim)
+    }
+
+    fn node_socks(n: u16) -> Vec<Socket> {
+        (0..n)
+            .map(|i| {
+                let mut s = sock(
+                    10,
+                    "node",
+                    &format!("127.0.0.1:{}", 40000 + i),
+                    "127.0.0.1:25001",
+                    TcpState::Established,
+                );
+                s.age = Duration::from_secs(100 + i as u64);
+                s
+            })
+            .collect()
+    }
+
+    #[test]
+    fn oldest_first_capped_and_thresholded() {
+        let (p, rc) = policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\", peer_port = 25001, states = [\"ESTABLISHED\"] }\nmin_idle = \"10s\"\nmax_per_round = 8\n");
+        let mut t = node_socks(20);
+        t[19].idle = Some(Duration::from_secs(2)); // the oldest is busy: never selected
+        t.push(sock(
+            11,
+            "other",
+            "127.0.0.1:41000",
+            "127.0.0.1:25001",
+            TcpState::Established,
+        ));
+        let plan = plan(&p, &rc, 999, &t);
+        assert_eq!(plan.targets.len(), 8);
+        let ports: Vec<u16> = plan.targets.iter().map(|s| s.local.port()).collect();
+        assert_eq!(ports, (40011..=40018).rev().collect::<Vec<_>>());
+        assert!(plan.skipped.is_empty());
+    }
+
+    #[test]
+    fn protected_listen_and_own_sockets_are_skipped() {
+        let (p, rc) = policy("trigger = \"always\"\nselect = { peer_port = 22 }\n");
+        let t = vec![sock(
+            10,
+            "ssh",
+            "127.0.0.1:40000",
+            "127.0.0.1:22",
+            TcpState::Established,
+        )];
+        let pl = plan(&p, &rc, 999, &t);
+        assert!(pl.targets.is_empty());
+        assert!(pl.skipped[0].1.contains("protect_ports"));
+        let (p, rc) = policy("trigger = \"always\"\nselect = { peer_port = 25001 }\n");
+        let t = node_socks(1);
+        let pl = plan(&p, &rc, 10, &t);
+        assert_eq!(pl.skipped[0].1, "connreap's own socket");
+    }
+
+    #[test]
+    fn quota_trigger_arms_only_when_saturated_and_fresh() {
+        let (p, _) = policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\" }\n");
+        let mut q = QuotaStatus {
+            name: "relay".into(),
+            source: "http",
+            url: None,
+            last_poll: Some("t".into()),
+            entries: vec![QuotaEntry {
+                port: 21000,
+                used: 64,
+                limit: 64,
+            }],
+            error: None,
+        };
+        assert_eq!(
+            armed(&p, std::slice::from_ref(&q), 0.9)
+                .unwrap()
+                .unwrap()
+                .used,
+            64
+        );
+        q.entries[0].used = 56;
+        assert!(armed(&p, std::slice::from_ref(&q), 0.9)
+            .unwrap_err()
+            .contains("below saturation"));
+        q.entries[0].used = 64;
+        q.error = Some("HTTP 500".into());
+        assert!(armed(&p, std::slice::from_ref(&q), 0.9)
+            .unwrap_err()
+            .contains("stale"));
+    }
+
+    #[test]
+    fn selectors_cover_every_key() {
+        let s = sock(
+            10,
+            "java",
+            "[::ffff:10.0.0.5]:40000",
+            "[::ffff:10.0.16.36]:80",
+            TcpState::CloseWait,
+        );
+        let sel = |f: &dyn Fn(&mut Selector)| {
+            let mut x = Selector::default();
+            f(&mut x);
+            selected(&x, &s)
+        };
+        assert!(sel(&|x| x.peer = Some("10.0.16.36:80".parse().unwrap())));
+        assert!(!sel(&|x| x.peer = Some("10.0.16.37:80".parse().unwrap())));
+        assert!(sel(&|x| x.pid = Some(10)));
+        assert!(!sel(&|x| x.local_port = Some(1)));
+        assert!(!sel(&|x| x.states = vec![TcpState::Established]));
+        assert!(!sel(&|x| x.unit = Some("a.service".into())));
+    }
+}
