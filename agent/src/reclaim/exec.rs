@@ -48,6 +48,7 @@ pub struct Reclaimer {
     /// Per policy: the quota reading its last killing round acted on. A policy never acts
     /// twice on the same reading (the kills it made are not in it yet).
     acted_on: HashMap<String, String>,
+    rounds: u64,
 }
 
 impl Reclaimer {
@@ -65,6 +66,7 @@ impl Reclaimer {
             audit_path: PathBuf::from(&cfg.reclaim.audit_log),
             recent: VecDeque::new(),
             acted_on: HashMap::new(),
+            rounds: 0,
         }
     }
 
@@ -188,6 +190,10 @@ impl Reclaimer {
             }
         }
         if !res.decisions.is_empty() {
+            self.rounds += 1;
+            for d in &mut res.decisions {
+                d.round = self.rounds;
+            }
             if let Err(e) = self.audit(&res.decisions) {
                 tracing::error!(path = %self.audit_path.display(), error = %e, "cannot append to the audit log");
             }

@@ -162,6 +162,8 @@ pub struct Decision {
     pub idle_secs: Option<f64>,
     pub quota: Option<QuotaRef>,
     pub agent_pid: u32,
+    /// Round number within this agent run (agent_pid + round identify a round).
+    pub round: u64,
 }
 
 pub fn decision(
@@ -192,6 +194,7 @@ pub fn decision(
         idle_secs: s.idle.map(secs),
         quota: quota.clone(),
         agent_pid: std::process::id(),
+        round: 0,
     }
 }
 
