@@ -143,12 +143,12 @@ struct ReclaimRequest {
     dry_run: bool,
 }
 
-fn authorized(st: &AppState, headers: &axum::http::HeaderMap) -> Result<(), Response> {
+fn authorized(st: &AppState, headers: &axum::http::HeaderMap) -> Result<(), Box<Response>> {
     let Some(token) = &st.token else {
-        return Err(error(
+        return Err(Box::new(error(
             StatusCode::NOT_FOUND,
             "POST /v1/reclaim is off: set api.token_file in the config",
-        ));
+        )));
     };
     let given = headers
         .get(header::AUTHORIZATION)
@@ -165,10 +165,10 @@ fn authorized(st: &AppState, headers: &axum::http::HeaderMap) -> Result<(), Resp
     if ok {
         Ok(())
     } else {
-        Err(error(
+        Err(Box::new(error(
             StatusCode::UNAUTHORIZED,
             "missing or wrong bearer token",
-        ))
+        )))
     }
 }
 
@@ -178,7 +178,7 @@ async fn reclaim(
     body: Result<Json<ReclaimRequest>, axum::extract::rejection::JsonRejection>,
 ) -> Response {
     if let Err(r) = authorized(&st, &headers) {
-        return r;
+        return *r;
     }
     let req = match body {
         Ok(Json(r)) => r,

@@ -29,7 +29,9 @@ pub enum ConfigError {
     },
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+/// The whole configuration. By default there are no quota sources, webhooks or policies:
+/// findings are logged and served by the API, and nothing is ever closed.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub agent: AgentConfig,
@@ -40,23 +42,6 @@ pub struct Config {
     pub quota: Vec<QuotaConfig>,
     pub webhook: Vec<WebhookConfig>,
     pub policy: Vec<PolicyConfig>,
-}
-
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            agent: AgentConfig::default(),
-            detect: DetectConfig::default(),
-            api: ApiConfig::default(),
-            alerts: AlertsConfig::default(),
-            reclaim: ReclaimConfig::default(),
-            // No quota sources, webhooks or policies unless configured: findings are logged
-            // and served by the API.
-            quota: Vec::new(),
-            webhook: Vec::new(),
-            policy: Vec::new(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -226,9 +226,7 @@ pub fn classify(local: u16, peer: u16, listening: &HashSet<u16>) -> (Direction, 
     } else if listening.contains(&peer) || EPHEMERAL.contains(&local) && !EPHEMERAL.contains(&peer)
     {
         (Direction::Outbound, peer)
-    } else if EPHEMERAL.contains(&peer) && !EPHEMERAL.contains(&local) {
-        (Direction::Inbound, local)
-    } else if local < peer {
+    } else if (EPHEMERAL.contains(&peer) && !EPHEMERAL.contains(&local)) || local < peer {
         (Direction::Inbound, local)
     } else {
         (Direction::Outbound, peer)

@@ -98,6 +98,40 @@ pub fn agent_bin() -> PathBuf {
     root().join("target/release/connreap")
 }
 
+/// `systemd-analyze verify` on the unit, with ExecStart pointed at the freshly built binary
+/// (verify checks that the executable exists).
+fn verify_unit() -> Result<()> {
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
+        eprintln!("xtask: systemd-analyze not found; skipping unit verification");
+        return Ok(());
+    }
+    let unit = std::fs::read_to_string(root().join("systemd/connreap.service"))?;
+    let unit = unit.replace(
+        "/usr/local/bin/connreap",
+        &agent_bin().display().to_string(),
+    );
+    let dir = std::env::temp_dir().join(format!("connreap-unit-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("connreap.service");
+    std::fs::write(&path, unit)?;
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&path)
+        .output()?;
+    let _ = std::fs::remove_dir_all(&dir);
+    let text =
+        String::from_utf8_lossy(&out.stderr).to_string() + &String::from_utf8_lossy(&out.stdout);
+    if !out.status.success() || text.contains("connreap.service:") {
+        bail!("systemd-analyze verify systemd/connreap.service failed:\n{text}");
+    }
+    eprintln!("xtask: systemd/connreap.service verified");
+    Ok(())
+}
+
 fn main() -> Result<()> {
     match Cli::parse().cmd {
         Cmd::Setup => setup::install(),
@@ -121,6 +155,7 @@ fn main() -> Result<()> {
                 "--package",
                 "xtask",
             ]))?;
+            verify_unit()?;
             if unit_only {
                 return Ok(());
             }

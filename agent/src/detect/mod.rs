@@ -164,7 +164,7 @@ pub fn processes<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Process
 /// Oldest first, at most MAX_SOCKETS.
 pub fn oldest_briefs<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<SocketBrief> {
     let mut v: Vec<&Socket> = socks.into_iter().collect();
-    v.sort_by(|a, b| b.age.cmp(&a.age));
+    v.sort_by_key(|s| std::cmp::Reverse(s.age));
     v.into_iter().take(MAX_SOCKETS).map(brief).collect()
 }
 
