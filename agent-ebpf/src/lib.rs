@@ -95,6 +95,9 @@ pub struct KernelOffsets {
     // struct task_struct
     pub task_tgid: u32,
     pub task_comm: u32,
+    /// struct inet_timewait_sock: the real state (FIN_WAIT2 or TIME_WAIT) of a timewait socket
+    pub tw_substate: u32,
+    pub _pad: u32,
 }
 
 impl KernelOffsets {
@@ -127,6 +130,8 @@ impl KernelOffsets {
             icsk_lrcvtime: 0,
             task_tgid: 0,
             task_comm: 0,
+            tw_substate: 0,
+            _pad: 0,
         }
     }
 }
@@ -231,4 +236,4 @@ const _: () = assert!(core::mem::size_of::<StateEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<TransitionEvent>() == 80);
 const _: () = assert!(core::mem::size_of::<SockRecord>() == 104);
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
-const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 26 * 4);
+const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 28 * 4);

@@ -169,7 +169,11 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     let seq = unsafe { *(meta as *const u64) };
 
     let family: u16 = read(sk + off!(skc_family));
-    let state: u8 = read(sk + off!(skc_state));
+    let mut state: u8 = read(sk + off!(skc_state));
+    if state == tcp_state::TIME_WAIT {
+        // Orphaned FIN_WAIT2 sockets live on as timewait sockets too; report the real state.
+        state = read(sk + off!(tw_substate));
+    }
     let mut rec = SockRecord {
         skaddr: sk,
         now_ns: unsafe { bpf_ktime_get_ns() },
@@ -194,7 +198,8 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     }
 
     // TIME_WAIT and NEW_SYN_RECV entries are mini sockets: only sock_common is valid.
-    if state != tcp_state::TIME_WAIT && state != tcp_state::NEW_SYN_RECV {
+    let mini: u8 = read(sk + off!(skc_state));
+    if mini != tcp_state::TIME_WAIT && mini != tcp_state::NEW_SYN_RECV {
         rec.flags |= sock_flags::FULL;
         let socket: u64 = read(sk + off!(sk_socket));
         if socket != 0 {

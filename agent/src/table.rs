@@ -126,6 +126,8 @@ pub struct Socket {
     #[serde(skip)]
     pub skaddr: u64,
     pub inode: u64,
+    /// The kernel's socket cookie; null until something asked the kernel for it.
+    #[serde(serialize_with = "nonzero")]
     pub cookie: u64,
     pub local: SocketAddr,
     pub peer: SocketAddr,
@@ -151,6 +153,13 @@ pub struct Socket {
     /// Other processes holding the same socket (e.g. after fork).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub shared_with: Vec<u32>,
+}
+
+fn nonzero<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
+    match v {
+        0 => s.serialize_none(),
+        v => s.serialize_u64(*v),
+    }
 }
 
 fn secs<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {

@@ -114,7 +114,11 @@ fn ensure_mounted(fstype: &'static str, path: &'static str) -> Result<(), Kernel
             reason: std::io::Error::last_os_error().to_string(),
         });
     }
-    tracing::info!(fstype, path, "mounted");
+    tracing::warn!(
+        fstype,
+        path,
+        "mounted {fstype} at {path}: if this mount namespace is not the host's, the pinned state tracker is private to it (enter only the network namespace, e.g. nsenter --net)"
+    );
     Ok(())
 }
 

@@ -128,6 +128,8 @@ pub fn resolve(path: &Path) -> Result<KernelOffsets, OffsetError> {
         icsk_lrcvtime: r.offset("inet_connection_sock", "icsk_ack.lrcvtime")?,
         task_tgid: r.offset("task_struct", "tgid")?,
         task_comm: r.offset("task_struct", "comm")?,
+        tw_substate: r.offset("inet_timewait_sock", "tw_substate")?,
+        _pad: 0,
     })
 }
 

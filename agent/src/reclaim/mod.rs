@@ -152,7 +152,8 @@ pub struct Decision {
     pub local: String,
     pub peer: String,
     pub inode: u64,
-    pub cookie: String,
+    /// The socket cookie (the one the kill went by, for kills); null when not known.
+    pub cookie: Option<String>,
     pub pid: Option<u32>,
     pub comm: String,
     pub unit: Option<String>,
@@ -184,7 +185,7 @@ pub fn decision(
         local: s.local.to_string(),
         peer: s.peer.to_string(),
         inode: s.inode,
-        cookie: format!("{:#x}", s.cookie),
+        cookie: (s.cookie != 0).then(|| format!("{:#x}", s.cookie)),
         pid: s.pid(),
         comm: s.comm().to_string(),
         unit: s.owner.as_ref().and_then(|o| o.unit.clone()),
