@@ -71,8 +71,14 @@ impl Tracker {
             }
             let (active, new) = match self.active.get_mut(&f.fingerprint) {
                 Some(a) => {
+                    // A changed verdict is news (a quota saturated by young connections first
+                    // reads as "load", and as "leak" once they have been idle): notify again.
+                    let changed = a.last.verdict != f.verdict;
+                    if changed {
+                        tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, "verdict changed: {}", f.summary);
+                    }
                     a.last = f.clone();
-                    (a, false)
+                    (a, changed)
                 }
                 None => {
                     tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, "firing: {}", f.summary);
@@ -140,6 +146,30 @@ mod tests {
         let mut f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, fp);
         f.count = count;
         f
+    }
+
+    #[test]
+    fn verdict_change_is_notified_again() {
+        let mut t = Tracker::new("h1".into(), Duration::from_secs(3600));
+        let t0 = Instant::now();
+        let w0 = Utc::now();
+        let mut f = finding("q", 64);
+        f.verdict = Some("load".into());
+        assert_eq!(t.update(vec![f.clone()], t0, w0).notify.len(), 1);
+        assert!(t.update(vec![f.clone()], t0, w0).notify.is_empty());
+        f.verdict = Some("leak".into());
+        let u = t.update(vec![f.clone()], t0 + Duration::from_secs(3), w0);
+        assert_eq!(u.notify.len(), 1);
+        assert_eq!(u.notify[0].finding.verdict.as_deref(), Some("leak"));
+        assert_eq!(
+            u.notify[0].started_at,
+            rfc3339(w0),
+            "same alert, same start"
+        );
+        assert!(t
+            .update(vec![f], t0 + Duration::from_secs(4), w0)
+            .notify
+            .is_empty());
     }
 
     #[test]

@@ -21,12 +21,18 @@ pub enum ConfigError {
         column: usize,
         message: String,
     },
-    #[error("{path}: `{key}`: {message}")]
+    #[error("{path}:{} `{key}`: {message}", line_part(.line))]
     Invalid {
         path: String,
+        /// Line of the key (or of its table) in the file, when it is there.
+        line: Option<usize>,
         key: String,
         message: String,
     },
+}
+
+fn line_part(line: &Option<usize>) -> String {
+    line.map(|l| format!("{l}:")).unwrap_or_default()
 }
 
 /// The whole configuration. By default there are no quota sources, webhooks or policies:
@@ -287,19 +293,112 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
+/// A table header line: (`name`, is an array of tables).
+fn header(line: &str) -> Option<(&str, bool)> {
+    let l = line.trim();
+    if let Some(rest) = l.strip_prefix("[[") {
+        return Some((rest.split("]]").next()?.trim(), true));
+    }
+    let rest = l.strip_prefix('[')?;
+    Some((rest.split(']').next()?.trim(), false))
+}
+
+/// `name` for `[name]`, `name[i]` for the i-th `[[name]]`, of the table holding byte `offset`.
+fn table_at(text: &str, offset: usize) -> Option<String> {
+    let before = &text[..offset];
+    let (name, array) = before.lines().rev().find_map(header)?;
+    if !array {
+        return Some(name.to_string());
+    }
+    let index = before
+        .lines()
+        .filter_map(header)
+        .filter(|h| *h == (name, true))
+        .count();
+    Some(format!("{name}[{}]", index.saturating_sub(1)))
+}
+
+/// The dotted key of the `key = value` line holding byte `offset` (e.g. `agent.scan_interval`).
+fn key_at(text: &str, offset: usize) -> Option<String> {
+    let offset = offset.min(text.len());
+    let start = text[..offset].rfind('\n').map(|i| i + 1).unwrap_or(0);
+    let line = text[start..].lines().next().unwrap_or("");
+    let (key, _) = line.split_once('=')?;
+    let key = key.trim().trim_matches('"');
+    if key.is_empty() || key.starts_with(['[', '#']) {
+        return None;
+    }
+    Some(match table_at(text, start) {
+        Some(t) if !t.is_empty() => format!("{t}.{key}"),
+        _ => key.to_string(),
+    })
+}
+
+/// The line of a validation key such as `detect.quota_saturation` or `quota[1] (relay).url`:
+/// the key's own line, else its table's header line.
+fn line_of_key(text: &str, key: &str) -> Option<usize> {
+    // Drop the " (name)" annotations.
+    let mut plain = String::new();
+    let mut rest = key;
+    while let Some(i) = rest.find(" (") {
+        plain.push_str(&rest[..i]);
+        rest = rest[i..]
+            .find(')')
+            .map(|j| &rest[i + j + 1..])
+            .unwrap_or("");
+    }
+    plain.push_str(rest);
+    let (table, field) = match plain.split_once('.') {
+        Some((t, f)) => (t.to_string(), f.split('.').next().map(str::to_string)),
+        None => (plain.clone(), None),
+    };
+    let mut header_line = None;
+    let mut offset = 0;
+    for (i, raw) in text.split_inclusive('\n').enumerate() {
+        let here = offset;
+        offset += raw.len();
+        let line = raw.trim_end_matches(['\n', '\r']);
+        if header(line).is_some() {
+            if header_line.is_some() {
+                break; // past the table
+            }
+            if table_at(text, here + line.len()).as_deref() == Some(table.as_str()) {
+                header_line = Some(i + 1);
+            }
+            continue;
+        }
+        if header_line.is_none() {
+            continue;
+        }
+        if let (Some(field), Some((k, _))) = (&field, line.split_once('=')) {
+            if k.trim().trim_matches('"') == field {
+                return Some(i + 1);
+            }
+        }
+    }
+    header_line
+}
+
 /// Parse and validate a configuration text; `path` is only used in messages.
 pub fn parse(text: &str, path: &str) -> Result<Config, ConfigError> {
     let cfg: Config = toml::from_str(text).map_err(|e| {
-        let (line, column) = e.span().map(|s| line_col(text, s.start)).unwrap_or((0, 0));
+        let start = e.span().map(|s| s.start);
+        let (line, column) = start.map(|s| line_col(text, s)).unwrap_or((0, 0));
+        let message = e.message().to_string();
         ConfigError::Parse {
             path: path.into(),
             line,
             column,
-            message: e.message().to_string(),
+            // Name the key: the message alone may only say what was wrong with the value.
+            message: match start.and_then(|s| key_at(text, s)) {
+                Some(key) => format!("`{key}`: {message}"),
+                None => message,
+            },
         }
     })?;
     validate(&cfg).map_err(|(key, message)| ConfigError::Invalid {
         path: path.into(),
+        line: line_of_key(text, &key),
         key,
         message,
     })?;
@@ -560,5 +659,44 @@ format = "json"
             .unwrap_err()
             .to_string();
         assert!(e.contains("quota[0] (r)"), "{e}");
+    }
+
+    #[test]
+    fn every_error_names_line_and_key() {
+        let e = parse("[agent]\nscan_interval = \"soon\"\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.starts_with("c.toml:2:17: `agent.scan_interval`: invalid value"),
+            "{e}"
+        );
+        let e = parse(
+            "[agent]\nscan_interval = \"1s\"\n\n[detect]\nclose_wait_threshold = 4\nquota_saturation = 1.5\n",
+            "c.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("c.toml:6: `detect.quota_saturation`: must be in (0, 1]"),
+            "{e}"
+        );
+        let text =
+            "[[webhook]]\nurl = \"http://a/\"\n[[webhook]]\nformat = \"json\"\nurl = \"ftp://x\"\n";
+        let e = parse(text, "c.toml").unwrap_err().to_string();
+        assert!(e.starts_with("c.toml:5: `webhook[1].url`"), "{e}");
+        let text = "[[quota]]\nname = \"a\"\nurl = \"http://x/s\"\nport_field = \"p\"\nused_field = \"u\"\nlimit = 1\n[[quota]]\nname = \"r\"\nurl = \"http://x/s\"\n";
+        let e = parse(text, "c.toml").unwrap_err().to_string();
+        assert!(e.starts_with("c.toml:7: `quota[1] (r).port_field`"), "{e}");
+        let e = parse("[[quota]]\nname = \"q\"\nurl = \"http://x/s\"\nport_field = \"p\"\nused_field = \"u\"\nlimit = 1\nport_map = { \"x\" = 1 }\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("c.toml:7: `quota[0] (q).port_map`"), "{e}");
+        let e = parse(
+            "# ≥ ünïcödé\r\n[detect]\r\n# ≥\r\nstorm_rate = -1.0\r\n",
+            "c.toml",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("c.toml:4: `detect.storm_rate`"), "{e}");
     }
 }

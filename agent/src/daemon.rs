@@ -15,7 +15,7 @@ use crate::{
     api::{self, AppState},
     config::{Config, QuotaConfig},
     detect::{self, ConnKey, Memory, StormTracker},
-    kernel::{Kernel, KernelError},
+    kernel::{Kernel, KernelError, ProgramStats},
     metrics::{MechanismLabels, Metrics, ReclaimLabels},
     quota::{self, QuotaStatus},
     reclaim::{
@@ -56,14 +56,18 @@ async fn read_events(
         }
     };
     loop {
-        let mut guard = match fd.readable_mut().await {
-            Ok(g) => g,
-            Err(e) => {
-                tracing::error!(error = %e, "transition ring poll failed; reconnect_storm is disabled");
-                return;
-            }
-        };
-        let ring = guard.get_inner_mut();
+        // The probe wakes us only when a lot is pending; otherwise drain twice a second.
+        tokio::select! {
+            r = fd.readable_mut() => match r {
+                Ok(mut guard) => guard.clear_ready(),
+                Err(e) => {
+                    tracing::error!(error = %e, "transition ring poll failed; reconnect_storm is disabled");
+                    return;
+                }
+            },
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+        }
+        let ring = fd.get_mut();
         let mut n = 0u64;
         let mut opens = Vec::new();
         while let Some(item) = ring.next() {
@@ -80,7 +84,6 @@ async fn read_events(
                 }
             }
         }
-        guard.clear_ready();
         metrics.events_read.inc_by(n);
         let mut st = lock(&storm);
         for k in opens {
@@ -196,13 +199,15 @@ struct Loop {
 }
 
 impl Loop {
-    async fn scan(&self) -> Result<(Vec<Socket>, crate::kernel::Counters), String> {
+    async fn scan(
+        &self,
+    ) -> Result<(Vec<Socket>, crate::kernel::Counters, Vec<ProgramStats>), String> {
         let sc = self.state.scanner.clone();
         let res = tokio::task::spawn_blocking(move || -> Result<_, KernelError> {
             let mut s = lock(&sc);
             let table = s.scan()?;
             let counters = s.kernel.counters()?;
-            Ok((table, counters))
+            Ok((table, counters, s.kernel.program_stats()))
         })
         .await;
         match res {
@@ -265,7 +270,7 @@ impl Loop {
         loop {
             ticker.tick().await;
             let t0 = Instant::now();
-            let (table, counters) = match self.scan().await {
+            let (table, counters, programs) = match self.scan().await {
                 Ok(v) => v,
                 Err(e) => {
                     metrics.scan_errors.inc();
@@ -293,6 +298,7 @@ impl Loop {
             metrics.observe_table(&table);
             metrics.observe_findings(&findings);
             metrics.observe_kernel(counters);
+            metrics.observe_programs(&programs);
             let update = tracker.update(findings, Instant::now(), chrono::Utc::now());
             for alert in &update.notify {
                 self.state.webhooks.send(alert);

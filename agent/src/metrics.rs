@@ -36,6 +36,11 @@ pub struct ReclaimLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProgramLabels {
+    pub program: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MechanismLabels {
     pub mechanism: String,
 }
@@ -55,6 +60,8 @@ pub struct Metrics {
     pub scan_errors: Counter,
     pub reclaims: Family<ReclaimLabels, Counter>,
     pub reclaim_mechanism: Family<MechanismLabels, Gauge>,
+    program_run_ns: Family<ProgramLabels, Gauge>,
+    program_runs: Family<ProgramLabels, Gauge>,
     scans: AtomicU64,
 }
 
@@ -84,6 +91,8 @@ impl Metrics {
             scan_errors: Counter::default(),
             reclaims: Family::default(),
             reclaim_mechanism: Family::default(),
+            program_run_ns: Family::default(),
+            program_runs: Family::default(),
             scans: AtomicU64::new(0),
         };
         registry.register(
@@ -138,6 +147,16 @@ impl Metrics {
             "Socket destroy mechanism in use (1 = active)",
             m.reclaim_mechanism.clone(),
         );
+        registry.register(
+            "bpf_program_run_time_ns",
+            "Cumulative run time of each BPF program in ns (counts only while kernel.bpf_stats_enabled=1)",
+            m.program_run_ns.clone(),
+        );
+        registry.register(
+            "bpf_program_runs",
+            "Cumulative runs of each BPF program (counts only while kernel.bpf_stats_enabled=1)",
+            m.program_runs.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -176,6 +195,18 @@ impl Metrics {
         self.map_full
             .inc_by(now.map_full.saturating_sub(last.map_full));
         *last = now;
+    }
+
+    pub fn observe_programs(&self, stats: &[crate::kernel::ProgramStats]) {
+        for s in stats {
+            let l = ProgramLabels {
+                program: s.program.to_string(),
+            };
+            self.program_run_ns
+                .get_or_create(&l)
+                .set(s.run_time_ns as i64);
+            self.program_runs.get_or_create(&l).set(s.run_count as i64);
+        }
     }
 
     pub fn webhook_sent(&self, ok: bool) {

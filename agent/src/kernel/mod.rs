@@ -74,8 +74,17 @@ pub struct Counters {
     pub map_full: u64,
 }
 
+/// Run-time statistics of one BPF program (non-zero only while kernel.bpf_stats_enabled=1).
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct ProgramStats {
+    pub program: &'static str,
+    pub run_time_ns: u64,
+    pub run_count: u64,
+}
+
 pub struct Kernel {
     ebpf: Ebpf,
+    pin_dir: PathBuf,
     /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
     pub hz: u32,
     verbose: bool,
@@ -268,6 +277,7 @@ impl Kernel {
 
         let mut k = Kernel {
             ebpf,
+            pin_dir: pin_dir.clone(),
             hz: kernel_hz(),
             verbose,
         };
@@ -365,6 +375,38 @@ impl Kernel {
             ring_drops: sum(counter::RING_DROPS),
             map_full: sum(counter::MAP_FULL),
         })
+    }
+
+    /// Run time and count of each program. The state tracker may have been attached by an
+    /// earlier connreap: its program is found through the pinned link.
+    pub fn program_stats(&self) -> Vec<ProgramStats> {
+        let mut out = Vec::new();
+        let tracker_id = PinnedLink::from_pin(self.pin_dir.join("link"))
+            .ok()
+            .and_then(|l| FdLink::from(l).info().ok())
+            .map(|i| i.program_id());
+        if let Some(id) = tracker_id {
+            if let Some(info) = aya::programs::loaded_programs()
+                .flatten()
+                .find(|p| p.id() == id)
+            {
+                out.push(ProgramStats {
+                    program: names::PROG_STATE,
+                    run_time_ns: info.run_time().as_nanos() as u64,
+                    run_count: info.run_count(),
+                });
+            }
+        }
+        for name in [names::PROG_ITER_TCP, names::PROG_ITER_FILES] {
+            if let Some(Ok(info)) = self.ebpf.program(name).map(|p| p.info()) {
+                out.push(ProgramStats {
+                    program: name,
+                    run_time_ns: info.run_time().as_nanos() as u64,
+                    run_count: info.run_count(),
+                });
+            }
+        }
+        out
     }
 
     /// The transition event ring (one consumer at a time: the daemon).

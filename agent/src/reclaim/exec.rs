@@ -177,9 +177,14 @@ impl Reclaimer {
                     let now: HashMap<(u64, u64), &Socket> =
                         fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
                     for s in &planned.targets {
-                        let (outcome, why) = kill(p, s, now.get(&(s.skaddr, s.inode)).copied());
-                        res.decisions
-                            .push(decision(p, &mode, s, &quota, outcome, why));
+                        let (outcome, why, cookie) =
+                            kill(p, s, now.get(&(s.skaddr, s.inode)).copied());
+                        let mut d = decision(p, &mode, s, &quota, outcome, why);
+                        if let Some(c) = cookie.map(cookie_u64) {
+                            // The cookie the kill went by (the table's may still be 0).
+                            d.cookie = Some(format!("{c:#x}"));
+                        }
+                        res.decisions.push(d);
                     }
                 }
             }
@@ -217,15 +222,28 @@ fn open_audit(path: &PathBuf) -> std::io::Result<fs::File> {
     OpenOptions::new().create(true).append(true).open(path)
 }
 
-/// Re-check one target against its fresh kernel view, then destroy it.
-fn kill(p: &PolicyConfig, was: &Socket, now: Option<&Socket>) -> (Outcome, Option<String>) {
+/// sock_diag's cookie (two host-order u32, low word first) as the kernel's u64 socket cookie.
+fn cookie_u64(c: [u8; 8]) -> u64 {
+    let lo = u32::from_ne_bytes([c[0], c[1], c[2], c[3]]);
+    let hi = u32::from_ne_bytes([c[4], c[5], c[6], c[7]]);
+    (u64::from(hi) << 32) | u64::from(lo)
+}
+
+/// Re-check one target against its fresh kernel view, then destroy it. Also returns the
+/// cookie the destroy request went by, when one was sent.
+fn kill(
+    p: &PolicyConfig,
+    was: &Socket,
+    now: Option<&Socket>,
+) -> (Outcome, Option<String>, Option<[u8; 8]>) {
     let Some(now) = now else {
-        return (Outcome::Skipped, Some("gone before the kill".into()));
+        return (Outcome::Skipped, Some("gone before the kill".into()), None);
     };
     if now.pid() != was.pid() {
         return (
             Outcome::Skipped,
             Some("owner changed since selection".into()),
+            None,
         );
     }
     if !selected(&p.select, now) || !old_enough(p, now) {
@@ -238,24 +256,40 @@ fn kill(p: &PolicyConfig, was: &Socket, now: Option<&Socket>) -> (Outcome, Optio
                     .map(crate::snapshot::human)
                     .unwrap_or_else(|| "-".into())
             )),
+            None,
         );
     }
     match diag::lookup(now.local, now.peer) {
-        Ok(None) => (Outcome::Skipped, Some("closed before the kill".into())),
+        Ok(None) => (
+            Outcome::Skipped,
+            Some("closed before the kill".into()),
+            None,
+        ),
         Ok(Some(d)) if d.inode as u64 != now.inode && now.inode != 0 => (
             Outcome::Skipped,
             Some(format!(
                 "4-tuple now belongs to inode {}: not the selected socket",
                 d.inode
             )),
+            None,
         ),
         Ok(Some(d)) => match diag::destroy(now.local, now.peer, d.cookie) {
-            Ok(()) => (Outcome::Killed, None),
-            Err(e) if e.errno() == Some(libc::ENOENT) => {
-                (Outcome::Skipped, Some("closed before the kill".into()))
-            }
-            Err(e) => (Outcome::Failed, Some(format!("SOCK_DESTROY: {e}"))),
+            Ok(()) => (Outcome::Killed, None, Some(d.cookie)),
+            Err(e) if e.errno() == Some(libc::ENOENT) => (
+                Outcome::Skipped,
+                Some("closed before the kill".into()),
+                Some(d.cookie),
+            ),
+            Err(e) => (
+                Outcome::Failed,
+                Some(format!("SOCK_DESTROY: {e}")),
+                Some(d.cookie),
+            ),
         },
-        Err(e) => (Outcome::Failed, Some(format!("sock_diag lookup: {e}"))),
+        Err(e) => (
+            Outcome::Failed,
+            Some(format!("sock_diag lookup: {e}")),
+            None,
+        ),
     }
 }
