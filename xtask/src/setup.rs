@@ -84,7 +84,7 @@ pub fn ensure() -> Result<()> {
     if !has_bpf_linker() {
         eprintln!("xtask: installing bpf-linker built against LLVM 22 (about a minute)");
         run(Command::new("cargo")
-            .args(["install", "bpf-linker", "--locked", "--version", "0.13.0"])
+            .args(["install", "bpf-linker", "--version", "0.13.0"])
             .args(["--no-default-features", "--features", "llvm-22"])
             .env("LLVM_PREFIX", LLVM_PREFIX)
             .env(
