@@ -309,7 +309,7 @@ pub struct SocketRow {
     pub rx_queue: u32,
     pub tx_queue: u32,
     pub inode: u64,
-    pub cookie: u64,
+    pub cookie: Option<u64>,
     pub uid: u32,
     pub direction: String,
     pub service_port: u16,
@@ -463,6 +463,11 @@ impl Child {
                 }
             }
         }
+    }
+
+    /// `Some(status)` once the process has exited (reaped), `None` while it runs.
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        self.inner.try_wait().ok().flatten()
     }
 
     /// Kill (SIGKILL) and reap now.

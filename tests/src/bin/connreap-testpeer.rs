@@ -7,20 +7,26 @@ use std::{
     net::{Ipv6Addr, SocketAddr, TcpListener, TcpStream},
     process::ExitCode,
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use socket2::{Domain, Socket, Type};
 
 const USAGE: &str = "\
 usage: connreap-testpeer close-wait --addr IP:PORT --count N
-       connreap-testpeer listen --addr IP:PORT [--chatty-ms M]
+       connreap-testpeer listen --addr IP:PORT [--chatty-ms M] [--close-after-ms M]
        connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M]
+       connreap-testpeer storm --addr IP:PORT [--start-rate R] [--max-rate R] [--duration-ms D]
 
 close-wait  listen on ADDR, connect N clients, close the accepted side: N clients in CLOSE_WAIT
 listen      accept and hold every connection on ADDR
 connect     hold N connections to ADDR
+storm       connect and close at once, in a loop: START-RATE connections/s (default 20),
+            doubling every second up to MAX-RATE (default 320), for DURATION ms (default 10000);
+            prints `done connects=N failed=F` afterwards and sleeps until killed
 --chatty-ms write one byte every M ms on each connection and read whatever arrives
+--close-after-ms  (listen) close each accepted connection M ms after accepting it, like a
+            server's keep-alive timeout (0: at once)
 
 IPv6 addresses go in brackets ([::1]:7000). A v4-mapped address ([::ffff:127.0.0.1]:7000)
 listens dual-stack on [::]:PORT and connects from AF_INET6 sockets, like a JVM.
@@ -31,14 +37,29 @@ struct Args {
     addr: SocketAddr,
     count: usize,
     chatty: Option<Duration>,
+    close_after: Option<Duration>,
+    storm: StormArgs,
+}
+
+/// `storm`: connections per second, doubling every second from `start_rate` to `max_rate`.
+struct StormArgs {
+    start_rate: u64,
+    max_rate: u64,
+    duration: Duration,
 }
 
 fn parse_args(argv: &[String]) -> Result<Args, String> {
     let mode = argv.first().ok_or("missing subcommand")?.clone();
-    if !["close-wait", "listen", "connect"].contains(&mode.as_str()) {
+    if !["close-wait", "listen", "connect", "storm"].contains(&mode.as_str()) {
         return Err(format!("unknown subcommand `{mode}`"));
     }
-    let (mut addr, mut count, mut chatty) = (None, None, None);
+    let (mut addr, mut count, mut chatty, mut close_after) = (None, None, None, None);
+    let mut storm = StormArgs {
+        start_rate: 20,
+        max_rate: 320,
+        duration: Duration::from_secs(10),
+    };
+    let mut storm_flags = false;
     let mut rest = argv[1..].iter();
     while let Some(flag) = rest.next() {
         let value = rest.next().ok_or_else(|| format!("{flag} needs a value"))?;
@@ -53,24 +74,54 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
                 }
                 chatty = Some(Duration::from_millis(ms));
             }
+            "--close-after-ms" => {
+                let ms = value.parse::<u64>().map_err(|e| bad(&e))?;
+                close_after = Some(Duration::from_millis(ms));
+            }
+            "--start-rate" | "--max-rate" | "--duration-ms" => {
+                let v = value.parse::<u64>().map_err(|e| bad(&e))?;
+                if v == 0 {
+                    return Err(bad(&"must be at least 1"));
+                }
+                match flag.as_str() {
+                    "--start-rate" => storm.start_rate = v,
+                    "--max-rate" => storm.max_rate = v,
+                    _ => storm.duration = Duration::from_millis(v),
+                }
+                storm_flags = true;
+            }
             _ => return Err(format!("unknown option `{flag}`")),
         }
     }
     let addr = addr.ok_or("--addr is required")?;
     let count = match (mode.as_str(), count) {
-        ("listen", None) => 0,
-        ("listen", Some(_)) => return Err("listen takes no --count".into()),
+        ("listen" | "storm", None) => 0,
+        ("listen" | "storm", Some(_)) => return Err(format!("{mode} takes no --count")),
         (_, Some(n)) if n > 0 => n,
         (_, _) => return Err(format!("{mode} needs --count N (N >= 1)")),
     };
     if mode == "close-wait" && chatty.is_some() {
         return Err("close-wait takes no --chatty-ms".into());
     }
+    if mode == "storm" && chatty.is_some() {
+        return Err("storm takes no --chatty-ms".into());
+    }
+    if mode != "listen" && close_after.is_some() {
+        return Err("only listen takes --close-after-ms".into());
+    }
+    if mode != "storm" && storm_flags {
+        return Err("--start-rate, --max-rate and --duration-ms are for storm only".into());
+    }
+    if storm.max_rate < storm.start_rate {
+        return Err("--max-rate must be at least --start-rate".into());
+    }
     Ok(Args {
         mode,
         addr,
         count,
         chatty,
+        close_after,
+        storm,
     })
 }
 
@@ -185,7 +236,18 @@ fn listen_and_hold(args: &Args) -> Result<(), String> {
     ready(&[("port", port.to_string())]);
     loop {
         match listener.accept() {
-            Ok((conn, _)) => hold(conn, args.chatty),
+            Ok((conn, _)) if args.close_after == Some(Duration::ZERO) => drop(conn),
+            Ok((conn, _)) => match args.close_after {
+                // The server side of an idle keep-alive timing out: close (FIN) after a while,
+                // whatever the client does.
+                Some(after) => {
+                    thread::spawn(move || {
+                        thread::sleep(after);
+                        drop(conn);
+                    });
+                }
+                None => hold(conn, args.chatty),
+            },
             Err(e) => {
                 eprintln!("connreap-testpeer: accept: {e}");
                 thread::sleep(Duration::from_millis(100));
@@ -209,6 +271,63 @@ fn connect_and_hold(args: &Args) -> Result<(), String> {
     sleep_forever(())
 }
 
+/// Connect and close at once, in a loop, at a rate that doubles every second (a client whose
+/// reconnect handlers multiply). Connection errors are counted, never fatal.
+fn storm(args: &Args) -> Result<(), String> {
+    let StormArgs {
+        start_rate,
+        max_rate,
+        duration,
+    } = args.storm;
+    ready(&[
+        ("port", args.addr.port().to_string()),
+        ("start_rate", start_rate.to_string()),
+        ("max_rate", max_rate.to_string()),
+    ]);
+    let target = args.addr;
+    // From a second thread (whose id is not the pid), like the thread pools of real clients:
+    // the storm must be charged to the process.
+    let (connects, failed) =
+        thread::spawn(move || storm_loop(target, start_rate, max_rate, duration))
+            .join()
+            .map_err(|_| "the storm thread panicked".to_string())?;
+    let mut out = std::io::stdout().lock();
+    let _ = writeln!(out, "done connects={connects} failed={failed}");
+    let _ = out.flush();
+    drop(out);
+    sleep_forever(())
+}
+
+fn storm_loop(addr: SocketAddr, start_rate: u64, max_rate: u64, duration: Duration) -> (u64, u64) {
+    let start = Instant::now();
+    let (mut connects, mut failed) = (0u64, 0u64);
+    let mut next = start;
+    while start.elapsed() < duration {
+        let second = start.elapsed().as_secs().min(32) as u32;
+        let rate = start_rate.saturating_mul(1u64 << second).min(max_rate);
+        match TcpStream::connect(addr) {
+            Ok(c) => {
+                connects += 1;
+                drop(c);
+            }
+            Err(e) => {
+                failed += 1;
+                if failed <= 3 {
+                    eprintln!("connreap-testpeer storm: connect {addr}: {e}");
+                }
+            }
+        }
+        next += Duration::from_secs_f64(1.0 / rate as f64);
+        let now = Instant::now();
+        if next > now {
+            thread::sleep(next - now);
+        } else if now - next > Duration::from_millis(500) {
+            next = now; // fell far behind (loaded machine): do not burst to catch up
+        }
+    }
+    (connects, failed)
+}
+
 fn main() -> ExitCode {
     let argv: Vec<String> = std::env::args().skip(1).collect();
     if argv.iter().any(|a| a == "-h" || a == "--help") {
@@ -225,6 +344,7 @@ fn main() -> ExitCode {
     let result = match args.mode.as_str() {
         "close-wait" => close_wait(&args),
         "listen" => listen_and_hold(&args),
+        "storm" => storm(&args),
         _ => connect_and_hold(&args),
     };
     if let Err(e) = result {
