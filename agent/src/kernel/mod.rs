@@ -236,6 +236,24 @@ fn prepare_pin_dir() -> Result<PathBuf, KernelError> {
     Ok(dir)
 }
 
+/// An exclusive flock held while loading (released on drop). Best effort: without it the load
+/// still works, only the rare simultaneous first load can fail.
+fn load_lock() -> Option<fs::File> {
+    let dir = Path::new("/run/lock");
+    let _ = fs::create_dir_all(dir);
+    let f = fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("connreap.load.lock"))
+        .ok()?;
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+        return None;
+    }
+    Some(f)
+}
+
 /// Remove every pin (detaches the state tracker). Used by `connreap unpin`.
 pub fn unpin_all() -> std::io::Result<bool> {
     match fs::remove_dir_all(PIN_ROOT) {
@@ -262,6 +280,9 @@ impl Kernel {
         ensure_mounted("tracefs", TRACEFS)?;
         raise_memlock();
         let offsets = offsets::resolve(Path::new(BTF_PATH))?;
+        // Serialize loads: two connreap processes starting together must not both create the
+        // pinned maps (the second pin would fail) or remove each other's pins.
+        let _lock = load_lock();
         let pin_dir = prepare_pin_dir()?;
 
         let state_pin = pin_dir.join("state");
