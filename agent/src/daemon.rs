@@ -218,7 +218,7 @@ impl Loop {
     }
 
     fn quotas(&self, table: &[Socket]) -> Vec<QuotaStatus> {
-        let now = rfc3339(chrono::Utc::now());
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
         let http = lock(&self.http_quotas);
         self.cfg
             .quota

@@ -136,7 +136,7 @@ fn reclaim_once(
         .enable_all()
         .build()?;
     let client = reqwest::Client::builder().no_proxy().build()?;
-    let now = alert::rfc3339(chrono::Utc::now());
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     let quotas: Vec<quota::QuotaStatus> = cfg
         .quota
         .iter()

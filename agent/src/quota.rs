@@ -23,7 +23,7 @@ pub struct QuotaStatus {
     pub source: &'static str,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
-    /// RFC 3339 time of the last poll (or count, for static sources).
+    /// RFC 3339 time (UTC, ms) the last poll was sent (or the count made, for static sources).
     pub last_poll: Option<String>,
     pub entries: Vec<QuotaEntry>,
     /// Why the last poll failed; entries are from the last good poll, if any.
@@ -130,6 +130,9 @@ pub async fn poll(
     previous: Option<&QuotaStatus>,
 ) -> QuotaStatus {
     let url = cfg.url.clone().unwrap_or_default();
+    // A reading is stamped with the time its request was sent: the source's counts can only
+    // reflect what happened before then.
+    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
     let result = async {
         let resp = client
             .get(&url)
@@ -156,7 +159,6 @@ pub async fn poll(
         parse_body(&body, cfg)
     }
     .await;
-    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Secs, true);
     match result {
         Ok(entries) => QuotaStatus {
             name: cfg.name.clone(),

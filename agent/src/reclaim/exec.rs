@@ -45,8 +45,9 @@ pub struct Reclaimer {
     pub mechanism: Result<&'static str, String>,
     audit_path: PathBuf,
     recent: VecDeque<Decision>,
-    /// Per policy: the quota reading its last killing round acted on. A policy never acts
-    /// twice on the same reading (the kills it made are not in it yet).
+    /// Per policy: when its last killing round ended (RFC 3339 UTC, ms). A quota-triggered
+    /// policy acts again only on a reading whose poll was sent after that, so it never acts
+    /// twice on counts that do not include its own kills.
     acted_on: HashMap<String, String>,
     rounds: u64,
 }
@@ -82,11 +83,16 @@ impl Reclaimer {
     }
 
     fn audit(&mut self, decisions: &[Decision]) -> std::io::Result<()> {
-        let mut f = open_audit(&self.audit_path)?;
+        // One write(2) for the whole round: `writeln!` on a File issues the line and its
+        // newline separately, so another appender (`connreap reclaim`) or a crash could
+        // splice or truncate lines.
+        let mut buf = String::new();
         for d in decisions {
-            let line = serde_json::to_string(d).map_err(std::io::Error::other)?;
-            writeln!(f, "{line}")?;
+            buf.push_str(&serde_json::to_string(d).map_err(std::io::Error::other)?);
+            buf.push('\n');
         }
+        let mut f = open_audit(&self.audit_path)?;
+        f.write_all(buf.as_bytes())?;
         f.flush()
     }
 
@@ -131,7 +137,12 @@ impl Reclaimer {
                     "dry-run (enforce requested, but the audit log {} is not writable: {e})",
                     self.audit_path.display()
                 );
-            } else if reading.is_some() && self.acted_on.get(&p.name) == reading.as_ref() {
+            } else if reading.is_some()
+                && self
+                    .acted_on
+                    .get(&p.name)
+                    .is_some_and(|t| reading.as_ref() <= Some(t))
+            {
                 res.mode = mode;
                 res.note =
                     Some("waiting for a quota reading taken after the last round's kills".into());
@@ -188,10 +199,9 @@ impl Reclaimer {
                     }
                 }
             }
-            if res.killed() > 0 {
-                if let Some(r) = reading {
-                    self.acted_on.insert(p.name.clone(), r);
-                }
+            if res.killed() > 0 && reading.is_some() {
+                let done = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+                self.acted_on.insert(p.name.clone(), done);
             }
         }
         if !res.decisions.is_empty() {
