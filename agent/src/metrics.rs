@@ -161,15 +161,23 @@ impl Metrics {
     }
 
     pub fn observe_table(&self, table: &[Socket]) {
-        self.sockets.clear();
+        // Count first (no label allocation per socket), then publish one gauge per group.
+        let mut counts: std::collections::HashMap<(crate::table::TcpState, &str, u16), i64> =
+            std::collections::HashMap::new();
         for s in table {
+            *counts
+                .entry((s.state, s.comm(), s.service_port))
+                .or_default() += 1;
+        }
+        self.sockets.clear();
+        for ((state, comm, port), n) in counts {
             self.sockets
                 .get_or_create(&SocketLabels {
-                    state: s.state.to_string(),
-                    comm: s.comm().to_string(),
-                    service_port: s.service_port.to_string(),
+                    state: state.to_string(),
+                    comm: comm.to_string(),
+                    service_port: port.to_string(),
                 })
-                .inc();
+                .set(n);
         }
         self.scans.fetch_add(1, Ordering::Relaxed);
     }

@@ -115,7 +115,7 @@ pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
             .or_insert_with(|| Group {
                 pid: s.pid(),
                 comm: s.comm().to_string(),
-                unit: s.owner.as_ref().and_then(|o| o.unit.clone()),
+                unit: s.unit(),
                 service_port: s.service_port,
                 state: s.state,
                 count: 0,
@@ -179,10 +179,7 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
         rows.push([
             s.pid().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
             s.comm().to_string(),
-            s.owner
-                .as_ref()
-                .and_then(|o| o.unit.clone())
-                .unwrap_or_else(|| "-".into()),
+            s.unit().unwrap_or_else(|| "-".into()),
             s.local.to_string(),
             s.peer.to_string(),
             s.state.to_string(),

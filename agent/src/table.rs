@@ -5,6 +5,7 @@ use std::{
     fmt,
     net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
     str::FromStr,
+    sync::Arc,
     time::Duration,
 };
 
@@ -114,10 +115,11 @@ pub enum Direction {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize)]
 pub struct Owner {
     pub pid: u32,
-    pub comm: String,
+    /// Shared by every socket of the process (one allocation per process, not per socket).
+    pub comm: Arc<str>,
     pub fd: u32,
     /// systemd unit (or cgroup path) from /proc/<pid>/cgroup.
-    pub unit: Option<String>,
+    pub unit: Option<Arc<str>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -178,7 +180,12 @@ impl Socket {
         self.owner.as_ref().map(|o| o.pid)
     }
     pub fn comm(&self) -> &str {
-        self.owner.as_ref().map(|o| o.comm.as_str()).unwrap_or("?")
+        self.owner.as_ref().map(|o| &*o.comm).unwrap_or("?")
+    }
+    pub fn unit(&self) -> Option<String> {
+        self.owner
+            .as_ref()
+            .and_then(|o| o.unit.as_deref().map(String::from))
     }
     pub fn queues_empty(&self) -> bool {
         self.rx_queue == 0 && self.tx_queue == 0
@@ -250,9 +257,13 @@ pub fn build(
     first_seen: &FirstSeen,
     unit_of: &mut dyn FnMut(u32) -> Option<String>,
 ) -> Vec<Socket> {
-    let mut by_sk: HashMap<u64, Vec<&OwnerRecord>> = HashMap::new();
-    for o in owners {
-        by_sk.entry(o.skaddr).or_default().push(o);
+    // Holders of each socket: one sorted copy and an index of ranges (no per-socket Vec).
+    let mut sorted: Vec<&OwnerRecord> = owners.iter().collect();
+    sorted.sort_unstable_by_key(|o| (o.skaddr, o.tgid, o.fd));
+    sorted.dedup_by_key(|o| (o.skaddr, o.tgid));
+    let mut by_sk: HashMap<u64, (usize, usize)> = HashMap::with_capacity(sorted.len());
+    for (i, o) in sorted.iter().enumerate() {
+        by_sk.entry(o.skaddr).or_insert((i, i)).1 = i + 1;
     }
     let listening: HashSet<u16> = socks
         .iter()
@@ -260,7 +271,8 @@ pub fn build(
         .map(|s| s.sport)
         .collect();
     let jiffies = |j: u32| Duration::from_millis(j as u64 * 1000 / hz.max(1) as u64);
-    let mut units: HashMap<u32, Option<String>> = HashMap::new();
+    // Per process: comm and unit, allocated once.
+    let mut procs: HashMap<u32, (Arc<str>, Option<Arc<str>>)> = HashMap::new();
 
     socks
         .iter()
@@ -294,17 +306,21 @@ pub fn build(
             } else {
                 classify(s.sport, s.dport, &listening)
             };
-            let mut holders: Vec<&OwnerRecord> = by_sk.get(&s.skaddr).cloned().unwrap_or_default();
-            holders.sort_by_key(|o| (o.tgid, o.fd));
-            holders.dedup_by_key(|o| o.tgid);
-            let owner = holders.first().map(|o| Owner {
-                pid: o.tgid,
-                comm: comm_str(&o.comm),
-                fd: o.fd,
-                unit: units
+            let holders: &[&OwnerRecord] = by_sk
+                .get(&s.skaddr)
+                .map(|&(a, b)| &sorted[a..b])
+                .unwrap_or(&[]);
+            let owner = holders.first().map(|o| {
+                let (comm, unit) = procs
                     .entry(o.tgid)
-                    .or_insert_with(|| unit_of(o.tgid))
-                    .clone(),
+                    .or_insert_with(|| (comm_str(&o.comm).into(), unit_of(o.tgid).map(Arc::from)))
+                    .clone();
+                Owner {
+                    pid: o.tgid,
+                    comm,
+                    fd: o.fd,
+                    unit,
+                }
             });
             Some(Socket {
                 skaddr: s.skaddr,
@@ -413,7 +429,7 @@ mod tests {
         assert_eq!(cw.service_port, 8080);
         let o = cw.owner.as_ref().unwrap();
         assert_eq!(
-            (o.pid, o.comm.as_str(), o.unit.as_deref()),
+            (o.pid, &*o.comm, o.unit.as_deref()),
             (77, "java", Some("gw.service"))
         );
         assert_eq!(cw.shared_with, vec![99]);

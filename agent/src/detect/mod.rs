@@ -151,7 +151,7 @@ pub fn processes<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Process
             .or_insert_with(|| ProcessCount {
                 pid: s.pid(),
                 comm: s.comm().to_string(),
-                unit: s.owner.as_ref().and_then(|o| o.unit.clone()),
+                unit: s.unit(),
                 count: 0,
             })
             .count += 1;

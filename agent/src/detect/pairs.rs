@@ -78,7 +78,7 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
         let owner = |x: &Socket, pid: Option<u32>| ProcessCount {
             pid,
             comm: x.comm().to_string(),
-            unit: x.owner.as_ref().and_then(|o| o.unit.clone()),
+            unit: x.unit(),
             count: pairs.len(),
         };
         let procs = vec![owner(c, cpid), owner(s, spid)];

@@ -24,7 +24,7 @@ use aya::{
     },
     Btf, Ebpf, EbpfLoader,
 };
-use connreap_ebpf::{counter, names, OwnerRecord, SockRecord};
+use connreap_ebpf::{counter, names, KernelOffsets, OwnerRecord, SockRecord};
 
 /// The BPF object, embedded at build time (empty when `cargo xtask build-ebpf` has not run).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o"));
@@ -85,9 +85,10 @@ pub struct ProgramStats {
 pub struct Kernel {
     ebpf: Ebpf,
     pin_dir: PathBuf,
+    iter_tcp: Iter,
+    iter_files: Iter,
     /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
     pub hz: u32,
-    verbose: bool,
 }
 
 fn is_mounted(path: &str, fstype: &str) -> bool {
@@ -279,11 +280,22 @@ impl Kernel {
         ensure_mounted("bpf", BPFFS)?;
         ensure_mounted("tracefs", TRACEFS)?;
         raise_memlock();
-        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
         // Serialize loads: two connreap processes starting together must not both create the
         // pinned maps (the second pin would fail) or remove each other's pins.
         let _lock = load_lock();
         let pin_dir = prepare_pin_dir()?;
+        let tcp_pin = pin_dir.join("iter_tcp");
+        let files_pin = pin_dir.join("iter_task_file");
+        // Fast path: an earlier run left the tracker and verified iterators pinned; reuse them
+        // (no BTF parsing, no verification). Their offsets were resolved when they were loaded.
+        let reuse = PinnedLink::from_pin(pin_dir.join("link")).is_ok()
+            && tcp_pin.exists()
+            && files_pin.exists();
+        let offsets = if reuse {
+            KernelOffsets::default()
+        } else {
+            offsets::resolve(Path::new(BTF_PATH))?
+        };
 
         let state_pin = pin_dir.join("state");
         let events_pin = pin_dir.join("events");
@@ -296,25 +308,41 @@ impl Kernel {
             .load(OBJECT)
             .map_err(|e| KernelError::Load(full_chain(&e)))?;
 
-        let mut k = Kernel {
-            ebpf,
-            pin_dir: pin_dir.clone(),
-            hz: kernel_hz(),
-            verbose,
-        };
-        k.attach_tracker(&pin_dir.join("link"))?;
-        let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
-        for (prog, iter_type) in [
-            (names::PROG_ITER_TCP, "tcp"),
-            (names::PROG_ITER_FILES, "task_file"),
-        ] {
-            let it: &mut Iter = k.program(prog)?;
-            it.load(iter_type, &btf)
-                .map_err(|e| program_error(verbose, prog, e))?;
+        let mut loaded = Loaded { ebpf, verbose };
+        if !reuse {
+            loaded.attach_tracker(&pin_dir.join("link"))?;
+            let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+            for (prog, iter_type, pin) in [
+                (names::PROG_ITER_TCP, "tcp", &tcp_pin),
+                (names::PROG_ITER_FILES, "task_file", &files_pin),
+            ] {
+                let it: &mut Iter = loaded.program(prog)?;
+                it.load(iter_type, &btf)
+                    .map_err(|e| program_error(verbose, prog, e))?;
+                let _ = fs::remove_file(pin);
+                it.pin(pin).map_err(|e| pin_error(pin, e))?;
+            }
         }
-        Ok(k)
+        let from_pin = |path: &Path, prog: &'static str| {
+            Iter::from_pin(path).map_err(|e| program_error(verbose, prog, e))
+        };
+        Ok(Kernel {
+            iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
+            iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
+            ebpf: loaded.ebpf,
+            pin_dir,
+            hz: kernel_hz(),
+        })
     }
+}
 
+/// The object during load, before the iterators are taken from their pins.
+struct Loaded {
+    ebpf: Ebpf,
+    verbose: bool,
+}
+
+impl Loaded {
     fn program<T>(&mut self, name: &'static str) -> Result<&mut T, KernelError>
     where
         for<'a> &'a mut T: TryFrom<&'a mut aya::programs::Program>,
@@ -359,10 +387,11 @@ impl Kernel {
             Err(e) => Err(pin_error(link_pin, e)),
         }
     }
+}
 
-    fn run_iter(&mut self, prog: &'static str, what: &'static str) -> Result<Vec<u8>, KernelError> {
+impl Kernel {
+    fn run_iter(it: &mut Iter, what: &'static str) -> Result<Vec<u8>, KernelError> {
         let err = |reason: String| KernelError::Iterate { what, reason };
-        let it: &mut Iter = self.program(prog)?;
         let id = it.attach().map_err(|e| err(full_chain(&e)))?;
         let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
         let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
@@ -373,13 +402,13 @@ impl Kernel {
 
     /// Every TCP socket of this network namespace.
     pub fn dump_sockets(&mut self) -> Result<Vec<SockRecord>, KernelError> {
-        let buf = self.run_iter(names::PROG_ITER_TCP, "iter/tcp")?;
+        let buf = Self::run_iter(&mut self.iter_tcp, "iter/tcp")?;
         Ok(decode_records(&buf))
     }
 
     /// Every (socket, process) pair on the host.
     pub fn dump_owners(&mut self) -> Result<Vec<OwnerRecord>, KernelError> {
-        let buf = self.run_iter(names::PROG_ITER_FILES, "iter/task_file")?;
+        let buf = Self::run_iter(&mut self.iter_files, "iter/task_file")?;
         Ok(decode_records(&buf))
     }
 
@@ -418,8 +447,11 @@ impl Kernel {
                 });
             }
         }
-        for name in [names::PROG_ITER_TCP, names::PROG_ITER_FILES] {
-            if let Some(Ok(info)) = self.ebpf.program(name).map(|p| p.info()) {
+        for (name, it) in [
+            (names::PROG_ITER_TCP, &self.iter_tcp),
+            (names::PROG_ITER_FILES, &self.iter_files),
+        ] {
+            if let Ok(info) = it.info() {
                 out.push(ProgramStats {
                     program: name,
                     run_time_ns: info.run_time().as_nanos() as u64,

@@ -188,7 +188,7 @@ pub fn decision(
         cookie: (s.cookie != 0).then(|| format!("{:#x}", s.cookie)),
         pid: s.pid(),
         comm: s.comm().to_string(),
-        unit: s.owner.as_ref().and_then(|o| o.unit.clone()),
+        unit: s.unit(),
         state: s.state,
         age_secs: secs(s.age),
         age_exact: s.age_exact,
