@@ -1,9 +1,367 @@
-//! `cargo xtask bench`: placeholder until the benchmark issue lands.
+//! `cargo xtask bench`: measures connreap against its targets on this machine and writes
+//! BENCHMARKS.md (or target/bench-smoke.md with `--smoke`).
+//!
+//! The bench makes its own load, loopback only and inside network namespaces it creates and
+//! deletes: a connect/accept/send/close churn, socket holders (this binary re-executed as
+//! `bench-worker holder`), CLOSE_WAIT groups and a webhook receiver. It holds the e2e tests' lock
+//! (both use the host-wide pinned tracker, which the bench unpins), and every change it makes
+//! (namespaces, processes, kernel.bpf_stats_enabled, the pinned tracker) is undone by a guard.
+mod agent;
+mod footprint;
+mod load;
+mod measure;
+mod probe;
+mod proc;
+mod profile;
+mod report;
+mod scale;
+mod sys;
+
+use std::{
+    path::PathBuf,
+    process::Command,
+    time::{Duration, Instant},
+};
+
 use anyhow::{bail, Result};
 
-#[derive(clap::Args)]
-pub struct BenchArgs {}
+pub use load::{worker, WorkerArgs};
+use report::{Row, Verdict};
 
-pub fn run(_args: BenchArgs) -> Result<()> {
-    bail!("benchmarks are not implemented yet")
+#[derive(clap::Args)]
+pub struct BenchArgs {
+    /// Quick check of the bench itself (~1k sockets, seconds per measure); writes
+    /// target/bench-smoke.md and fails only when the bench machinery fails.
+    #[arg(long)]
+    smoke: bool,
+    /// Use the existing target/release/connreap instead of building it first.
+    #[arg(long)]
+    no_build: bool,
+    /// Also exit non-zero when a target is missed.
+    #[arg(long)]
+    strict: bool,
+    /// Skip the diagnostics that explain figures (perf profiles, the gdb malloc_trim step).
+    #[arg(long)]
+    no_profile: bool,
+    /// Only these measures (1-6, comma-separated); writes target/bench-partial.md.
+    #[arg(long, value_delimiter = ',')]
+    only: Vec<u8>,
+    /// How long to wait for e2e tests and compiles to finish before measuring anyway (noted in
+    /// the report).
+    #[arg(long, default_value_t = 600)]
+    wait_quiet: u64,
+}
+
+/// State shared between measures (later ones reuse earlier figures in their diagnosis).
+pub struct Ctx {
+    pub smoke: bool,
+    /// Profile with perf to explain figures.
+    pub perf: bool,
+    /// Configs and daemon logs.
+    pub dir: PathBuf,
+    pub idle_rss_kb: Option<u64>,
+    /// The idle daemon's VmRSS by kind, as text.
+    pub idle_kinds: Option<String>,
+    /// ns per run of (iter/tcp, iter/task_file), from measure 1.
+    pub iter_ns: Option<(f64, f64)>,
+    /// ns per run of connreap_set_state and its runs per churn connection, from measure 1.
+    pub set_state_ns: Option<f64>,
+    pub runs_per_conn: Option<f64>,
+    /// ns per transition of the classic tracepoint's dispatch (outside the program), from perf.
+    pub dispatch_ns: Option<f64>,
+}
+
+impl Ctx {
+    /// Longest churn warm-up before measuring (filling the TIME_WAIT table).
+    pub fn warm_up(&self) -> Duration {
+        Duration::from_secs(if self.smoke { 2 } else { 30 })
+    }
+}
+
+type Measure = fn(&mut Ctx) -> Result<Vec<Row>>;
+
+/// In run order. Measure 1 turns bpf_stats on for its window only (2 needs it off); later
+/// measures reuse its per-run costs in their diagnosis.
+const MEASURES: [(&str, &[u8], &str, Measure); 4] = [
+    ("1", &[1], "probe cost", probe::probe_cost),
+    ("2", &[2], "churn overhead", measure::churn_overhead),
+    ("5", &[5], "detection latency", measure::detection),
+    (
+        "3",
+        &[3, 4, 6],
+        "snapshot at scale, memory, CPU",
+        scale::scale,
+    ),
+];
+
+const METHODS: &str = "\
+The **churn load** (measures 1 and 2): two threads in a namespace each loop connect (from one of \
+64 source addresses 127.0.100+w.x, IP_BIND_ADDRESS_NO_PORT) → accept → client sends 64 B → server \
+reads and closes first → client reads EOF and closes (10 TCP state transitions per connection). \
+Before measuring, it runs until the namespace's TIME_WAIT table is at its cap \
+(net.ipv4.tcp_max_tw_buckets), the steady state of a busy server.
+
+1. **Probe cost**: `kernel.bpf_stats_enabled=1` for the windows only (restored after). \
+`connreap_bpf_program_run_time_ns` and `connreap_bpf_program_runs` from the daemon's /metrics, read \
+after a scan before the load and after the second scan after it; avg = Δrun_time / Δruns. Window A \
+(judged): the daemon scans an empty namespace every 1 s, so only the churn runs in the churn's \
+namespace. Window B: the daemon runs in the churn's namespace at the default 5 s interval (its \
+iterator figures are per socket / per file). Then, with stats off and a daemon that reads the ring \
+but does not scan, `perf record -a` during 3 s more of churn splits the tracker's kernel time by part.
+2. **Churn overhead**: rounds of one scan interval (5 s), alternated ABBA: *detached* after \
+`connreap unpin` with no daemon, *attached* with the tracker pinned and `connreap run` (defaults, \
+scan_interval 5s) in the churn's namespace, the round starting half an interval after its first \
+scan so exactly one scan falls in it. Ratio of the medians (connections/s); bpf_stats off.
+3. **Snapshot at scale**: holder processes (this binary re-executed, soft RLIMIT_NOFILE raised to \
+the 20000 hard limit) each hold N loopback connections, both ends, to a listener on 127.0.i.1 in a \
+fresh namespace (10k: 1 × 5000 connections; 100k: 6 × 8500). Before they connect, three snapshots \
+of the empty namespace give the fixed cost (and attach the tracker, so every age is exact). Each \
+round runs `connreap snapshot --json`, `ss -tanp`, `ss -tan` in the namespace (setns, like \
+`nsenter --net`), stdout to /dev/null; wall time spawn→exit, CPU from wait4; medians of 5 rounds. \
+One extra snapshot is parsed to check that it sees every socket, with its owner.
+4. **Memory**: `connreap run` (scan_interval 5s) in the 100k namespace; VmRSS from \
+/proc/PID/status after 3 scans and then once per scan through the 60 s CPU window (the largest is \
+judged), VmHWM, resident memory by kind from /proc/PID/smaps, and the idle daemon of measure 1 as \
+the baseline. With gdb installed, `malloc_trim(0)` is called in the daemon at the very end to \
+separate live memory from memory glibc keeps after the scans free it.
+5. **Detection latency**: a daemon with scan_interval 5s, close_wait_min_age 2s, \
+close_wait_threshold 16 and a `[[webhook]]` (format json) to a receiver the bench runs in the \
+namespace. Per trial, 16 connections to a new local port; closing the server ends at T0 puts the \
+client ends in CLOSE_WAIT; they cross the threshold at T0 + 2 s; latency = arrival of the \
+`close_wait_buildup` firing POST for that port − (T0 + 2 s). Trials place the crossing 5 %, 50 % \
+and 95 % of an interval after a scan (5 %: the scan just missed it, the worst case).
+6. **Daemon CPU**: (utime + stime) of the daemon from /proc/PID/stat over 60 s with the 100k idle \
+sockets and scan_interval 5s, as % of one core; then `perf record -p` over two scans.
+
+Profiles (perf) and the gdb step only explain figures; `--no-profile` skips them. The agent binary \
+is copied to target/bench-tmp/ at the start and that copy is used throughout. `--smoke` runs the \
+same code with ~1k sockets, 1-2 s windows and a 1-2 s scan interval: it checks the bench, its \
+figures are not representative.";
+
+fn machine(built: &str) -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpuinfo = read("/proc/cpuinfo");
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")?
+                .split_once(':')
+                .map(|x| x.1.trim())
+        })
+        .unwrap_or("unknown CPU")
+        .to_string();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_gib = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0 / 1024.0);
+    let os = read("/etc/os-release")
+        .lines()
+        .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+        .map(|s| s.trim_matches('"').to_string())
+        .unwrap_or_default();
+    let out = |c: &mut Command| {
+        c.output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let date = out(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]));
+    let rev =
+        out(Command::new("git")
+            .current_dir(crate::root())
+            .args(["rev-parse", "--short", "HEAD"]));
+    let dirty = !out(Command::new("git")
+        .current_dir(crate::root())
+        .args(["status", "--porcelain"]))
+    .is_empty();
+    format!(
+        "Machine: {cores} cores ({model}), {mem_gib:.0} GiB, {os}, kernel {}; {}. Date: {date}. \
+         Source: commit {rev}{}; agent binary built {built}.",
+        read("/proc/sys/kernel/osrelease").trim(),
+        scale::ss_version(),
+        if dirty {
+            " with uncommitted changes"
+        } else {
+            ""
+        }
+    )
+}
+
+fn preflight() -> Result<()> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("the bench needs root (it loads BPF programs and creates network namespaces)");
+    }
+    for tool in ["ip", "ss"] {
+        if Command::new(tool).arg("-V").output().is_err() {
+            bail!("`{tool}` (iproute2) not found");
+        }
+    }
+    if !agent::bin().is_file() {
+        bail!(
+            "{} not found: run `cargo xtask build`",
+            agent::bin().display()
+        );
+    }
+    Ok(())
+}
+
+/// Wait (up to `max`) for e2e tests and compiles to finish; returns what was still running.
+fn wait_quiet(max: Duration) -> Result<Vec<String>> {
+    let end = Instant::now() + max;
+    let mut said = false;
+    loop {
+        let busy = sys::busy();
+        if busy.is_empty() || Instant::now() > end {
+            return Ok(busy);
+        }
+        if !said {
+            eprintln!(
+                "bench: waiting for a quiet machine ({}), up to {max:?}",
+                busy.join(", ")
+            );
+            said = true;
+        }
+        sys::sleep(Duration::from_secs(5))?;
+    }
+}
+
+pub fn run(args: BenchArgs) -> Result<()> {
+    if !args.no_build {
+        crate::build_agent()?;
+    }
+    preflight()?;
+    sys::install_signal_handlers();
+    sys::remove_stale_namespaces();
+    let dir = crate::root().join("target/bench-tmp");
+    std::fs::create_dir_all(&dir)?;
+    let built = Command::new("date")
+        .arg("-u")
+        .arg("-r")
+        .arg(crate::agent_bin())
+        .arg("+%Y-%m-%d %H:%M UTC")
+        .output()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+        .unwrap_or_default();
+    agent::use_copy_in(&dir)?;
+    let mut conditions = Vec::new();
+    let busy = wait_quiet(Duration::from_secs(args.wait_quiet))?;
+    let (lock, waited) = sys::e2e_lock(Duration::from_secs(args.wait_quiet.max(60)))?;
+    if waited {
+        conditions
+            .push("Waited for the e2e tests to release their lock before starting.".to_string());
+    }
+    let pins = agent::PinRestore::new();
+    let load0 = sys::loadavg();
+    let t0 = Instant::now();
+    let mut ctx = Ctx {
+        smoke: args.smoke,
+        perf: !args.no_profile && profile::available(),
+        dir: dir.clone(),
+        idle_rss_kb: None,
+        idle_kinds: None,
+        iter_ns: None,
+        set_state_ns: None,
+        runs_per_conn: None,
+        dispatch_ns: None,
+    };
+    let mut rows = Vec::new();
+    let mut noisy = busy.clone();
+    let mut steal = Vec::new();
+    for (id, ids, name, f) in MEASURES {
+        if !args.only.is_empty() && !ids.iter().any(|i| args.only.contains(i)) {
+            continue;
+        }
+        eprintln!("bench: measure {id}: {name}");
+        let start = Instant::now();
+        let ticks0 = sys::cpu_ticks();
+        match f(&mut ctx) {
+            Ok(r) => rows.extend(r.into_iter().filter(|r| {
+                args.only.is_empty() || r.id.parse().is_ok_and(|i| args.only.contains(&i))
+            })),
+            Err(e) => {
+                eprintln!("bench: measure {id} failed: {e:#}");
+                rows.push(Row::failed(id, name, &e));
+                if sys::check_interrupted().is_err() {
+                    break;
+                }
+            }
+        }
+        eprintln!("bench: measure {id} took {:.0?}", start.elapsed());
+        let ticks1 = sys::cpu_ticks();
+        let all = ticks1.0.saturating_sub(ticks0.0).max(1);
+        steal.push(format!(
+            "{id}: {:.1} %",
+            ticks1.1.saturating_sub(ticks0.1) as f64 * 100.0 / all as f64
+        ));
+        for b in sys::busy() {
+            noisy.push(format!("{b} during measure {id}"));
+        }
+    }
+    drop(pins);
+    drop(lock);
+    let load1 = sys::loadavg();
+    if noisy.is_empty() {
+        conditions.push(
+            "Quiet machine: no e2e tests, `cargo test` or rustc running at the start or after any measure."
+                .into(),
+        );
+    } else {
+        conditions.push(format!(
+            "**Not a quiet run**: {} (numbers may be skewed by that load).",
+            noisy.join("; ")
+        ));
+    }
+    conditions.push(format!(
+        "CPU steal (time the hypervisor gave this VM's CPUs to others) during each measure: {}.",
+        steal.join(", ")
+    ));
+    conditions.push(format!(
+        "Load average (1/5/15 min) {load0} at the start, {load1} at the end; the run took {:.0} s.",
+        t0.elapsed().as_secs_f64()
+    ));
+    let (title, command, out) = if args.smoke {
+        (
+            "connreap bench (smoke: not representative)",
+            "cargo xtask bench --smoke",
+            dir.join("../bench-smoke.md"),
+        )
+    } else if !args.only.is_empty() {
+        (
+            "connreap benchmarks (partial run)",
+            "cargo xtask bench --only ...",
+            dir.join("../bench-partial.md"),
+        )
+    } else {
+        (
+            "connreap benchmarks",
+            "cargo xtask bench",
+            crate::root().join("BENCHMARKS.md"),
+        )
+    };
+    let header = report::Header {
+        title: title.into(),
+        command: command.into(),
+        machine: machine(&built),
+        conditions,
+        methods: METHODS,
+    };
+    println!("\n{}", report::console(&rows));
+    let md = report::markdown(&header, &rows);
+    std::fs::write(&out, md)?;
+    println!("wrote {}", out.canonicalize().unwrap_or(out).display());
+    let failed: Vec<&str> = rows
+        .iter()
+        .filter(|r| r.verdict == Verdict::Failed)
+        .map(|r| r.id)
+        .collect();
+    if !failed.is_empty() {
+        bail!("the bench failed for measure(s) {}", failed.join(", "));
+    }
+    let missed = rows.iter().filter(|r| r.verdict == Verdict::Miss).count();
+    if args.strict && !args.smoke && missed > 0 {
+        bail!("{missed} target(s) missed");
+    }
+    Ok(())
 }

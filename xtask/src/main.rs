@@ -43,6 +43,9 @@ enum Cmd {
     },
     /// Benchmarks; writes BENCHMARKS.md.
     Bench(bench::BenchArgs),
+    /// Load generators the bench re-executes (internal).
+    #[command(hide = true)]
+    BenchWorker(bench::WorkerArgs),
 }
 
 pub const BPF_TARGET: &str = "bpfel-unknown-none";
@@ -168,5 +171,6 @@ fn main() -> Result<()> {
             run(&mut cmd)
         }
         Cmd::Bench(args) => bench::run(args),
+        Cmd::BenchWorker(args) => bench::worker(args),
     }
 }

@@ -1,0 +1,174 @@
+//! Measures 4 (daemon memory) and 6 (daemon CPU), with the daemon in the namespace of the
+//! largest socket population of measure 3.
+use std::{
+    process::{Command, Stdio},
+    time::Duration,
+};
+
+use anyhow::Result;
+
+use super::{
+    agent::Daemon,
+    proc, profile,
+    report::{ms, Row, Verdict},
+    sys::{self, NsHandle},
+    Ctx,
+};
+
+const RSS_TARGET_MB: f64 = 40.0;
+
+fn mb(kb: u64) -> f64 {
+    kb as f64 / 1024.0
+}
+
+/// "a MB anonymous, b MB BPF maps, c MB files" of a process.
+pub fn kinds(pid: u32) -> Result<String> {
+    let (anon, bpf, file) = proc::rss_by_kind(pid)?;
+    Ok(format!(
+        "{:.1} MB anonymous (heap, allocator arenas, stacks), {:.1} MB BPF maps mmapped by the \
+         daemon (the event ring buffer), {:.1} MB file-backed (binary, libraries)",
+        mb(anon),
+        mb(bpf),
+        mb(file)
+    ))
+}
+
+/// Ask glibc to return freed memory (`malloc_trim(0)` through gdb, if installed): the VmRSS
+/// that remains is live data. Done last, on a daemon whose figures are already taken and which
+/// is stopped right after (on this kernel gdb cannot restore the AVX state after the call and
+/// exits 1, though the call ran). `None` when VmRSS did not drop.
+fn trimmed_rss(pid: u32) -> Option<(u64, u64)> {
+    let before = proc::status_kb(pid, "VmRSS").ok()?;
+    Command::new("gdb")
+        .args([
+            "-p",
+            &pid.to_string(),
+            "-batch",
+            "-ex",
+            "call (int)malloc_trim(0)",
+        ])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .ok()?;
+    let after = proc::status_kb(pid, "VmRSS").ok()?;
+    (after < before).then_some((before, after))
+}
+
+pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Result<Vec<Row>> {
+    let (interval, window): (f64, f64) = if ctx.smoke { (1.0, 5.0) } else { (5.0, 60.0) };
+    let mut d = Daemon::start(h, &ctx.dir, "scale", &format!("{interval}s"), "")?;
+    d.wait_scans(2.0, Duration::from_secs(60))?;
+    let rss_a = proc::status_kb(d.pid(), "VmRSS")?;
+    let (u0, s0) = proc::cpu_times(d.pid())?;
+    let m0 = d.scrape()?;
+    // VmRSS once per scan interval through the CPU window (reading /proc costs nothing).
+    let mut series = vec![rss_a];
+    let steps = (window / interval).round().max(1.0) as usize;
+    for _ in 0..steps {
+        sys::sleep(Duration::from_secs_f64(window / steps as f64))?;
+        series.push(proc::status_kb(d.pid(), "VmRSS")?);
+    }
+    let (u1, s1) = proc::cpu_times(d.pid())?;
+    let m1 = d.scrape()?;
+    let rss_b = proc::status_kb(d.pid(), "VmRSS")?;
+    let hwm = proc::status_kb(d.pid(), "VmHWM")?;
+    let kinds_end = kinds(d.pid())?;
+    let prof = if ctx.perf {
+        let rec = profile::Recording::start(Some(d.pid()), &ctx.dir, "daemon")?;
+        sys::sleep(Duration::from_secs_f64(2.0 * interval))?;
+        rec.finish()
+            .map_err(|e| eprintln!("bench: perf profile of the daemon failed: {e:#}"))
+            .ok()
+    } else {
+        None
+    };
+    let trimmed = if ctx.perf { trimmed_rss(d.pid()) } else { None };
+    drop(d);
+
+    let (du, ds) = (u1.saturating_sub(u0), s1.saturating_sub(s0));
+    let cpu_pct = (du + ds).as_secs_f64() / window * 100.0;
+    let scans = m1.scans() - m0.scans();
+    let mean_scan = (m1.scan_seconds() - m0.scan_seconds()) / scans.max(1.0);
+    let per_scan_cpu = (du + ds).as_secs_f64() / scans.max(1.0);
+    let peak = series.iter().copied().max().unwrap_or(rss_b).max(rss_b);
+    let rss_mb = mb(peak);
+    let idle = ctx.idle_rss_kb.map(mb);
+    let mut mem = Row {
+        id: "4",
+        name: format!("daemon memory @ {held} sockets ({tag})"),
+        result: format!("{rss_mb:.1} MB VmRSS"),
+        figures: format!(
+            "VmRSS {:.1} MB after 3 scans, {:.1} MB after {scans:.0} more; VmHWM {:.1} MB; idle daemon {}",
+            mb(rss_a),
+            mb(rss_b),
+            mb(hwm),
+            idle.map(|m| format!("{m:.1} MB")).unwrap_or("-".into())
+        ),
+        target: format!("≤ {RSS_TARGET_MB} MB"),
+        verdict: Verdict::of(rss_mb <= RSS_TARGET_MB),
+        details: vec![],
+        diagnosis: vec![],
+    };
+    let series_txt: Vec<String> = series.iter().map(|k| format!("{:.0}", mb(*k))).collect();
+    let mut facts = vec![
+        format!(
+            "VmRSS (MB) once per scan interval from the 3rd scan on: {} (the largest is judged).",
+            series_txt.join(", ")
+        ),
+        format!("At the end: {kinds_end}."),
+    ];
+    if let (Some(idle), Some(k)) = (idle, &ctx.idle_kinds) {
+        facts.push(format!(
+            "The idle daemon (measure 1, an empty namespace) already had {idle:.1} MB: {k}."
+        ));
+        facts.push(format!(
+            "Growth with the sockets: {:.0} bytes of VmRSS per socket.",
+            (rss_mb - idle) * 1024.0 * 1024.0 / held as f64
+        ));
+    }
+    if let Some((before, after)) = trimmed {
+        facts.push(format!(
+            "After `malloc_trim(0)` (called through gdb once the figures above were taken) VmRSS \
+             fell from {:.1} MB to {:.1} MB: {:.1} MB was memory the scans had freed but glibc's \
+             allocator kept; {:.1} MB is live (the idle baseline included).",
+            mb(before),
+            mb(after),
+            mb(before) - mb(after),
+            mb(after)
+        ));
+    }
+    mem.details.clone_from(&facts);
+    if mem.verdict == Verdict::Miss {
+        mem.diagnosis = facts;
+        mem.diagnosis.push(format!(
+            "VmHWM {:.1} MB is the peak: a scan's transient allocations at this size.",
+            mb(hwm)
+        ));
+    }
+    let mut cpu = Row {
+        id: "6",
+        name: format!("daemon CPU @ {held} idle sockets ({tag})"),
+        result: format!("{cpu_pct:.2} % of one core"),
+        figures: format!(
+            "user {} + sys {} over {window:.0} s; {scans:.0} scans at {interval}s, mean scan {}, {} CPU per scan",
+            ms(du),
+            ms(ds),
+            ms(Duration::from_secs_f64(mean_scan)),
+            ms(Duration::from_secs_f64(per_scan_cpu))
+        ),
+        target: "none set (informational)".into(),
+        verdict: Verdict::Info,
+        details: vec![],
+        diagnosis: vec![],
+    };
+    if let Some(p) = prof {
+        cpu.details.push(format!(
+            "`perf record -p` of the daemon over two scan intervals, by component: {}. Top symbols: {}.",
+            p.components(8).join(", "),
+            p.top(10).join(", ")
+        ));
+    }
+    Ok(vec![mem, cpu])
+}
