@@ -168,7 +168,11 @@ fn main() -> Result<()> {
                 .args(["--test-threads=1"])
                 .args(&args)
                 .env("CONNREAP_BIN", agent_bin());
-            run(&mut cmd)
+            run(&mut cmd)?;
+            // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
+            // under a minute) that proves `cargo xtask bench` still works.
+            let exe = std::env::current_exe()?;
+            run(Command::new(exe).args(["bench", "--smoke", "--no-build", "--wait-quiet", "0"]))
         }
         Cmd::Bench(args) => bench::run(args),
         Cmd::BenchWorker(args) => bench::worker(args),

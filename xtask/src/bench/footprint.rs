@@ -100,7 +100,7 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
         name: format!("daemon memory @ {held} sockets ({tag})"),
         result: format!("{rss_mb:.1} MB VmRSS"),
         figures: format!(
-            "VmRSS {:.1} MB after 3 scans, {:.1} MB after {scans:.0} more; VmHWM {:.1} MB; idle daemon {}",
+            "largest VmRSS sampled once per scan; {:.1} MB after 3 scans, {:.1} MB after {scans:.0} more; VmHWM {:.1} MB; idle daemon {}",
             mb(rss_a),
             mb(rss_b),
             mb(hwm),
