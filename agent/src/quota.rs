@@ -1,12 +1,12 @@
 //! Quota sources: HTTP JSON endpoints (e.g. a relay's `GET /status`) polled in the background,
 //! and static limits (a pool's max-per-route) counted from the socket table.
-use std::{net::SocketAddr, time::Duration};
+use std::time::Duration;
 
 use serde::Serialize;
 
 use crate::{
     config::QuotaConfig,
-    table::{Socket, TcpState},
+    table::{canon, Socket, TcpState},
 };
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -80,10 +80,6 @@ pub fn parse_body(body: &[u8], cfg: &QuotaConfig) -> Result<Vec<QuotaEntry>, Str
             Ok(QuotaEntry { port, used, limit })
         })
         .collect()
-}
-
-fn canon(a: SocketAddr) -> SocketAddr {
-    SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
 /// Sockets a static source counts as used: that process's connections to that peer.

@@ -231,6 +231,11 @@ fn comm_str(raw: &[u8; 16]) -> String {
     String::from_utf8_lossy(&raw[..end]).into_owned()
 }
 
+/// IPv4-mapped IPv6 and plain IPv4 name the same endpoint (JVMs open AF_INET6 sockets).
+pub fn canon(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
 /// Linux's default ephemeral range; used only to guess the service side of sockets with no
 /// local listener.
 const EPHEMERAL: std::ops::RangeInclusive<u16> = 32768..=60999;

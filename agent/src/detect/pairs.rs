@@ -8,7 +8,7 @@ use super::{describe_owners, oldest_briefs, round3, Finding, Kind, ProcessCount}
 use crate::{
     config::DetectConfig,
     snapshot::human,
-    table::{Direction, Socket, TcpState},
+    table::{canon, Direction, Socket, TcpState},
 };
 
 /// Both ends of one connection, each a socket on this host.
@@ -22,11 +22,6 @@ impl Pair<'_> {
     pub fn service_port(&self) -> u16 {
         self.server.local.port()
     }
-}
-
-/// IPv4-mapped IPv6 and plain IPv4 name the same endpoint.
-fn canon(a: SocketAddr) -> SocketAddr {
-    SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
 /// Pairs of sockets on this host that are the two ends of one connection.

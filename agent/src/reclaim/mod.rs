@@ -2,7 +2,7 @@
 //! that come out of a round. Execution (re-check, destroy, audit) lives in `exec`.
 pub mod exec;
 
-use std::{net::SocketAddr, time::Duration};
+use std::time::Duration;
 
 use serde::Serialize;
 
@@ -10,15 +10,11 @@ use crate::{
     config::{PolicyConfig, PolicyMode, ReclaimConfig, Selector, Trigger},
     detect::QuotaRef,
     quota::QuotaStatus,
-    table::{Socket, TcpState},
+    table::{canon, Socket, TcpState},
 };
 
 /// States a policy may act on when it names none.
 pub const DEFAULT_STATES: [TcpState; 2] = [TcpState::Established, TcpState::CloseWait];
-
-fn canon(a: SocketAddr) -> SocketAddr {
-    SocketAddr::new(a.ip().to_canonical(), a.port())
-}
 
 /// Does the socket match the policy's selectors (not its thresholds)?
 pub fn selected(sel: &Selector, s: &Socket) -> bool {
