@@ -8,13 +8,23 @@ use crate::{
 
 pub struct Scanner {
     pub kernel: Kernel,
+    host: table::HostInfo,
     first_seen: FirstSeen,
     units: HashMap<u32, Option<String>>,
 }
 
 impl Scanner {
     pub fn new(kernel: Kernel) -> Self {
+        // The namespace's ephemeral port range (falls back to Linux's default).
+        let ephemeral = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .ok()
+            .and_then(|t| table::parse_port_range(&t))
+            .unwrap_or_else(|| table::HostInfo::default().ephemeral);
         Scanner {
+            host: table::HostInfo {
+                hz: kernel.hz,
+                ephemeral,
+            },
             kernel,
             first_seen: FirstSeen::default(),
             units: HashMap::new(),
@@ -42,7 +52,7 @@ impl Scanner {
         Ok(table::build(
             &socks,
             &owners,
-            self.kernel.hz,
+            &self.host,
             &self.first_seen,
             &mut unit_of,
         ))

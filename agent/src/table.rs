@@ -236,18 +236,48 @@ pub fn canon(a: SocketAddr) -> SocketAddr {
     SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
-/// Linux's default ephemeral range; used only to guess the service side of sockets with no
-/// local listener.
-const EPHEMERAL: std::ops::RangeInclusive<u16> = 32768..=60999;
+/// Facts about the host (or network namespace) needed to interpret kernel records.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostInfo {
+    /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
+    pub hz: u32,
+    /// net.ipv4.ip_local_port_range of the namespace: used only to guess the service side of
+    /// sockets with no local listener.
+    pub ephemeral: std::ops::RangeInclusive<u16>,
+}
+
+impl Default for HostInfo {
+    fn default() -> Self {
+        // Linux defaults.
+        HostInfo {
+            hz: 250,
+            ephemeral: 32768..=60999,
+        }
+    }
+}
+
+/// Parse /proc/sys/net/ipv4/ip_local_port_range ("32768\t60999").
+pub fn parse_port_range(text: &str) -> Option<std::ops::RangeInclusive<u16>> {
+    let mut it = text.split_whitespace().map(|v| v.parse::<u16>());
+    match (it.next(), it.next()) {
+        (Some(Ok(a)), Some(Ok(b))) if a <= b => Some(a..=b),
+        _ => None,
+    }
+}
 
 /// Service port and direction for a non-listening socket.
-pub fn classify(local: u16, peer: u16, listening: &HashSet<u16>) -> (Direction, u16) {
+pub fn classify(
+    local: u16,
+    peer: u16,
+    listening: &HashSet<u16>,
+    ephemeral: &std::ops::RangeInclusive<u16>,
+) -> (Direction, u16) {
     if listening.contains(&local) {
         (Direction::Inbound, local)
-    } else if listening.contains(&peer) || EPHEMERAL.contains(&local) && !EPHEMERAL.contains(&peer)
+    } else if listening.contains(&peer) || ephemeral.contains(&local) && !ephemeral.contains(&peer)
     {
         (Direction::Outbound, peer)
-    } else if (EPHEMERAL.contains(&peer) && !EPHEMERAL.contains(&local)) || local < peer {
+    } else if (ephemeral.contains(&peer) && !ephemeral.contains(&local)) || local < peer {
         (Direction::Inbound, local)
     } else {
         (Direction::Outbound, peer)
@@ -258,7 +288,7 @@ pub fn classify(local: u16, peer: u16, listening: &HashSet<u16>) -> (Direction, 
 pub fn build(
     socks: &[SockRecord],
     owners: &[OwnerRecord],
-    hz: u32,
+    host: &HostInfo,
     first_seen: &FirstSeen,
     unit_of: &mut dyn FnMut(u32) -> Option<String>,
 ) -> Vec<Socket> {
@@ -275,7 +305,7 @@ pub fn build(
         .filter(|s| s.state == tcp_state::LISTEN)
         .map(|s| s.sport)
         .collect();
-    let jiffies = |j: u32| Duration::from_millis(j as u64 * 1000 / hz.max(1) as u64);
+    let jiffies = |j: u32| Duration::from_millis(j as u64 * 1000 / host.hz.max(1) as u64);
     // Per process: comm and unit, allocated once.
     let mut procs: HashMap<u32, (Arc<str>, Option<Arc<str>>)> = HashMap::new();
 
@@ -309,7 +339,7 @@ pub fn build(
             let (direction, service_port) = if state == TcpState::Listen {
                 (Direction::Listen, s.sport)
             } else {
-                classify(s.sport, s.dport, &listening)
+                classify(s.sport, s.dport, &listening, &host.ephemeral)
             };
             let holders: &[&OwnerRecord] = by_sk
                 .get(&s.skaddr)
@@ -423,9 +453,13 @@ mod tests {
         ];
         let mut fs = FirstSeen::default();
         fs.update(&[listen, accepted, client]);
-        let t = build(&[listen, accepted, client], &owners, 250, &fs, &mut |_| {
-            Some("gw.service".into())
-        });
+        let t = build(
+            &[listen, accepted, client],
+            &owners,
+            &HostInfo::default(),
+            &fs,
+            &mut |_| Some("gw.service".into()),
+        );
         let cw = t.iter().find(|s| s.state == TcpState::CloseWait).unwrap();
         assert_eq!(cw.age, Duration::from_secs(60));
         assert!(cw.age_exact);
@@ -450,7 +484,7 @@ mod tests {
         cw.last_ack_jiffies = 3000; // 12 s at 250 Hz
         let mut fs = FirstSeen::default();
         fs.update(&[cw]);
-        let t = build(&[cw], &[], 250, &fs, &mut |_| None);
+        let t = build(&[cw], &[], &HostInfo::default(), &fs, &mut |_| None);
         assert_eq!(t[0].age, Duration::from_secs(12));
         assert!(!t[0].age_exact);
         assert_eq!(
@@ -466,7 +500,7 @@ mod tests {
         fs.update(&[s]);
         s.now_ns += 5_000_000_000;
         fs.update(&[s]);
-        let t = build(&[s], &[], 250, &fs, &mut |_| None);
+        let t = build(&[s], &[], &HostInfo::default(), &fs, &mut |_| None);
         assert_eq!(t[0].age, Duration::from_secs(5));
     }
 
@@ -476,7 +510,13 @@ mod tests {
         s.family = AF_INET6;
         s.saddr = Ipv6Addr::LOCALHOST.octets();
         s.daddr = Ipv4Addr::new(10, 0, 16, 36).to_ipv6_mapped().octets();
-        let t = build(&[s], &[], 250, &FirstSeen::default(), &mut |_| None);
+        let t = build(
+            &[s],
+            &[],
+            &HostInfo::default(),
+            &FirstSeen::default(),
+            &mut |_| None,
+        );
         assert_eq!(t[0].local.to_string(), "[::1]:45000");
         assert_eq!(t[0].peer.to_string(), "[::ffff:10.0.16.36]:8080");
     }
@@ -485,7 +525,13 @@ mod tests {
     fn time_wait_has_no_idle() {
         let mut s = rec(6, tcp_state::TIME_WAIT, 45000, 80);
         s.flags = 0;
-        let t = build(&[s], &[], 250, &FirstSeen::default(), &mut |_| None);
+        let t = build(
+            &[s],
+            &[],
+            &HostInfo::default(),
+            &FirstSeen::default(),
+            &mut |_| None,
+        );
         assert_eq!(t[0].idle, None);
     }
 
@@ -511,7 +557,15 @@ mod tests {
     #[test]
     fn classify_guesses_service_side_without_listener() {
         let none = HashSet::new();
-        assert_eq!(classify(50000, 80, &none), (Direction::Outbound, 80));
-        assert_eq!(classify(22, 50000, &none), (Direction::Inbound, 22));
+        let eph = HostInfo::default().ephemeral;
+        assert_eq!(classify(50000, 80, &none, &eph), (Direction::Outbound, 80));
+        assert_eq!(classify(22, 50000, &none, &eph), (Direction::Inbound, 22));
+        // A namespace with a low ephemeral range: the client's port 20000 is ephemeral there.
+        let low = parse_port_range("10000\t20000\n").unwrap();
+        assert_eq!(
+            classify(20000, 30000, &none, &low),
+            (Direction::Outbound, 30000)
+        );
+        assert_eq!(parse_port_range("garbage"), None);
     }
 }
