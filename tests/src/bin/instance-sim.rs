@@ -17,33 +17,18 @@ use std::time::Duration;
 
 use connreap_tests::fixtures::http::{read_request, write_json, write_response};
 
-const USAGE: &str = "usage: instance-sim [--listen ADDR (default 127.0.0.1:21000)] [--name NAME]";
+/// The application instance behind the relay in incident 1.
+#[derive(clap::Parser)]
+struct Args {
+    #[arg(long, default_value = "127.0.0.1:21000")]
+    listen: SocketAddr,
+    /// Reported in /json.
+    #[arg(long, default_value = "sim")]
+    name: String,
+}
 
 fn main() {
-    let mut listen: SocketAddr = "127.0.0.1:21000".parse().unwrap();
-    let mut name = "sim".to_string();
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .unwrap_or_else(|| die(&flag))
-        };
-        match flag.as_str() {
-            "--listen" => listen = value().parse().unwrap_or_else(|_| die("--listen")),
-            "--name" => name = value(),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return;
-            }
-            _ => die(&arg),
-        }
-    }
+    let Args { listen, name } = clap::Parser::parse();
     let listener = TcpListener::bind(listen).unwrap_or_else(|e| {
         eprintln!("instance-sim: bind {listen}: {e}");
         std::process::exit(1)
@@ -64,11 +49,6 @@ fn main() {
             }
         }
     }
-}
-
-fn die(what: &str) -> ! {
-    eprintln!("instance-sim: bad or incomplete argument {what:?}\n{USAGE}");
-    std::process::exit(2)
 }
 
 const SSE_HEAD: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nCache-Control: no-cache\r\nConnection: keep-alive\r\n\r\n";

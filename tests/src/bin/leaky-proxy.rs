@@ -24,34 +24,19 @@ use std::time::Duration;
 
 use connreap_tests::fixtures::http::write_response;
 
-const USAGE: &str = "usage: leaky-proxy [--listen ADDR (default 127.0.0.1:8080)] [--upstream ADDR (default 127.0.0.1:25001)]";
 const MAX_HEAD: usize = 64 * 1024;
 
+/// The buggy platform proxy of incident 1.
+#[derive(clap::Parser)]
+struct Args {
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    listen: SocketAddr,
+    #[arg(long, default_value = "127.0.0.1:25001")]
+    upstream: SocketAddr,
+}
+
 fn main() {
-    let mut listen: SocketAddr = "127.0.0.1:8080".parse().unwrap();
-    let mut upstream: SocketAddr = "127.0.0.1:25001".parse().unwrap();
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .unwrap_or_else(|| die(&flag))
-        };
-        match flag.as_str() {
-            "--listen" => listen = value().parse().unwrap_or_else(|_| die("--listen")),
-            "--upstream" => upstream = value().parse().unwrap_or_else(|_| die("--upstream")),
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return;
-            }
-            _ => die(&arg),
-        }
-    }
+    let Args { listen, upstream } = clap::Parser::parse();
     let listener = TcpListener::bind(listen).unwrap_or_else(|e| {
         eprintln!("leaky-proxy: bind {listen}: {e}");
         std::process::exit(1)
@@ -69,11 +54,6 @@ fn main() {
             }
         }
     }
-}
-
-fn die(what: &str) -> ! {
-    eprintln!("leaky-proxy: bad or incomplete argument {what:?}\n{USAGE}");
-    std::process::exit(2)
 }
 
 /// Reads from the client until the end of the request head. `None` if the client closed

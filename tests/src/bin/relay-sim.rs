@@ -24,8 +24,6 @@ use std::time::Duration;
 
 use connreap_tests::fixtures::http::{read_request, write_json, write_response};
 
-const USAGE: &str = "usage: relay-sim --dial LOCAL=TARGET [--dial ...] [--status ADDR (default 127.0.0.1:20080)] [--max-streams N (default 64)]";
-
 #[derive(Clone, Copy)]
 struct Slot {
     local: SocketAddr,
@@ -43,46 +41,31 @@ struct State {
 
 type Shared = Arc<Mutex<State>>;
 
+/// The relay of incident 1, with its per-port stream quota.
+#[derive(clap::Parser)]
+struct Args {
+    /// A dial slot LOCAL=TARGET (repeatable, at least one).
+    #[arg(long = "dial", required = true, value_parser = parse_slot)]
+    slots: Vec<Slot>,
+    #[arg(long, default_value = "127.0.0.1:20080")]
+    status: SocketAddr,
+    #[arg(long, default_value_t = 64)]
+    max_streams: u64,
+}
+
+fn parse_slot(v: &str) -> Result<Slot, String> {
+    v.split_once('=')
+        .and_then(|(l, t)| Some((l.parse().ok()?, t.parse().ok()?)))
+        .map(|(local, target)| Slot { local, target })
+        .ok_or_else(|| format!("expected LOCAL=TARGET socket addresses, got `{v}`"))
+}
+
 fn main() {
-    let mut slots: Vec<Slot> = Vec::new();
-    let mut status: SocketAddr = "127.0.0.1:20080".parse().unwrap();
-    let mut max_streams: u64 = 64;
-    let mut args = std::env::args().skip(1);
-    while let Some(arg) = args.next() {
-        let (flag, inline) = match arg.split_once('=') {
-            Some((f, v)) if f.starts_with("--") => (f.to_string(), Some(v.to_string())),
-            _ => (arg.clone(), None),
-        };
-        let mut value = || {
-            inline
-                .clone()
-                .or_else(|| args.next())
-                .unwrap_or_else(|| die(&flag))
-        };
-        match flag.as_str() {
-            "--dial" => {
-                let v = value();
-                let slot = v
-                    .split_once('=')
-                    .and_then(|(l, t)| Some((l.parse().ok()?, t.parse().ok()?)))
-                    .map(|(local, target)| Slot { local, target })
-                    .unwrap_or_else(|| die(&format!("--dial {v}")));
-                slots.push(slot);
-            }
-            "--status" => status = value().parse().unwrap_or_else(|_| die("--status")),
-            "--max-streams" => {
-                max_streams = value().parse().unwrap_or_else(|_| die("--max-streams"))
-            }
-            "-h" | "--help" => {
-                println!("{USAGE}");
-                return;
-            }
-            _ => die(&arg),
-        }
-    }
-    if slots.is_empty() {
-        die("missing --dial");
-    }
+    let Args {
+        slots,
+        status,
+        max_streams,
+    } = clap::Parser::parse();
 
     let state: Shared = Arc::new(Mutex::new(State::default()));
     let status_listener = bind(status);
@@ -106,11 +89,6 @@ fn main() {
     for t in threads {
         let _ = t.join();
     }
-}
-
-fn die(what: &str) -> ! {
-    eprintln!("relay-sim: bad or incomplete argument {what:?}\n{USAGE}");
-    std::process::exit(2)
 }
 
 fn bind(addr: SocketAddr) -> TcpListener {
