@@ -37,6 +37,36 @@ pub mod names {
     pub const PROG_STATE: &str = "connreap_set_state";
     pub const PROG_ITER_TCP: &str = "connreap_iter_tcp";
     pub const PROG_ITER_FILES: &str = "connreap_iter_task_file";
+    pub const DESTROY_MAP: &str = "CONNREAP_DESTROY";
+    pub const PROG_ITER_DESTROY: &str = "connreap_iter_destroy";
+}
+
+/// The fallback destroy path (`connreap_iter_destroy`): an `iter/tcp` program calling the
+/// `bpf_sock_destroy` kfunc for the sockets userspace put into `CONNREAP_DESTROY`.
+///
+/// rustc cannot emit BTF for an `extern` kfunc, so the call is a hand-encoded instruction
+/// (`BPF_JMP|BPF_CALL`, `src_reg = BPF_PSEUDO_KFUNC_CALL`) whose `imm` is this placeholder; the
+/// loader replaces it with the running kernel's BTF id of `bpf_sock_destroy` before loading.
+pub mod kfunc {
+    /// Placeholder `imm` of the hand-encoded kfunc call.
+    pub const PLACEHOLDER: u32 = 0x7ead_50c7;
+    /// The instruction as it appears in the object: opcode, regs (src = 2), off = 0, imm.
+    pub const INSN: u64 = ((PLACEHOLDER as u64) << 32) | 0x2085;
+    /// Capacity of `CONNREAP_DESTROY`: the most sockets one destroy pass can target.
+    pub const MAX_TARGETS: u32 = 1024;
+    /// `DestroyRequest::result` when the socket at that inode is not at the expected address.
+    pub const MISMATCH: i32 = -1000;
+}
+
+/// Value of `CONNREAP_DESTROY`, keyed by socket inode. Userspace fills `skaddr` (0 = any) and
+/// zeroes `done`; the iterator sets `done = 1` and `result` (0, `-errno` or
+/// [`kfunc::MISMATCH`]) when it meets the socket.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DestroyRequest {
+    pub skaddr: u64,
+    pub result: i32,
+    pub done: u32,
 }
 
 /// Indexes into the per-CPU `CONNREAP_COUNTERS` array.
@@ -229,6 +259,7 @@ mod pod {
     unsafe impl aya::Pod for super::TransitionEvent {}
     unsafe impl aya::Pod for super::SockRecord {}
     unsafe impl aya::Pod for super::OwnerRecord {}
+    unsafe impl aya::Pod for super::DestroyRequest {}
 }
 
 // Layouts are part of the kernel/user contract: catch accidental implicit padding.
@@ -236,4 +267,5 @@ const _: () = assert!(core::mem::size_of::<StateEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<TransitionEvent>() == 80);
 const _: () = assert!(core::mem::size_of::<SockRecord>() == 104);
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
 const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 28 * 4);

@@ -1,7 +1,11 @@
 //! connreap's BPF programs. Built for `bpfel-unknown-none` by `cargo xtask build-ebpf`; on the
 //! host this file compiles to an empty binary so `cargo check --workspace` never breaks.
 #![cfg_attr(target_arch = "bpf", no_std, no_main)]
+// Inline asm on BPF (the hand-encoded kfunc call in `programs::destroy`) is still unstable.
+#![cfg_attr(target_arch = "bpf", feature(asm_experimental_arch))]
 
+#[cfg(target_arch = "bpf")]
+mod destroy;
 #[cfg(target_arch = "bpf")]
 mod programs;
 

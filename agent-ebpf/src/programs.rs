@@ -26,7 +26,7 @@ pub static LICENSE: [u8; 4] = *b"GPL\0";
 
 /// Set by the loader from the running kernel's BTF.
 #[no_mangle]
-static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
+pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
 
 /// Per-socket state and the time it was entered, keyed by the kernel socket address.
 #[map(name = "CONNREAP_STATE")]
@@ -39,10 +39,11 @@ static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
 #[map(name = "CONNREAP_COUNTERS")]
 static CONNREAP_COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(counter::COUNT, 0);
 
+#[macro_export]
 macro_rules! off {
     ($field:ident) => {
         // SAFETY: a plain read of a field of a static; volatile so the loader's value is used.
-        unsafe { core::ptr::read_volatile(&CONNREAP_OFFSETS.$field) as u64 }
+        unsafe { core::ptr::read_volatile(&$crate::programs::CONNREAP_OFFSETS.$field) as u64 }
     };
 }
 
@@ -55,7 +56,7 @@ fn bump(index: u32) {
 }
 
 #[inline(always)]
-fn read<T: Default>(addr: u64) -> T {
+pub(crate) fn read<T: Default>(addr: u64) -> T {
     // SAFETY: bpf_probe_read_kernel tolerates any address and fails cleanly.
     unsafe { bpf_probe_read_kernel(addr as *const T) }.unwrap_or_default()
 }

@@ -155,6 +155,9 @@ pub struct ReclaimConfig {
     pub protect_ports: Vec<u16>,
     /// Every reclaim decision, one JSON line each; appended, never rewritten.
     pub audit_log: String,
+    /// How sockets are destroyed: "auto" (netlink SOCK_DESTROY, else the bpf_sock_destroy
+    /// kfunc from an iter/tcp program), "netlink" or "bpf-iter" (only that one).
+    pub mechanism: DestroyMechanism,
 }
 
 impl Default for ReclaimConfig {
@@ -162,8 +165,17 @@ impl Default for ReclaimConfig {
         ReclaimConfig {
             protect_ports: vec![22],
             audit_log: "/var/lib/connreap/audit.jsonl".into(),
+            mechanism: DestroyMechanism::Auto,
         }
     }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum DestroyMechanism {
+    Auto,
+    Netlink,
+    BpfIter,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

@@ -365,7 +365,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     }
     let webhooks = Webhooks::spawn(&cfg.webhook, &cfg.alerts, metrics.clone());
     let token = read_token(&cfg)?;
-    let reclaimer = tokio::task::block_in_place(|| Reclaimer::new(&cfg));
+    let reclaimer = tokio::task::block_in_place(|| Reclaimer::new(&cfg, &scanner.kernel, verbose));
     metrics
         .reclaim_mechanism
         .get_or_create(&MechanismLabels {

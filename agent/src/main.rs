@@ -159,7 +159,7 @@ fn reclaim_once(
             }
         })
         .collect();
-    let mut reclaimer = reclaim::exec::Reclaimer::new(cfg);
+    let mut reclaimer = reclaim::exec::Reclaimer::new(cfg, &scanner.kernel, verbose);
     let round = reclaimer.round(policy, cfg, &mut scanner, &table, &quotas, dry_run);
     for d in &round.decisions {
         println!("{}", serde_json::to_string(d)?);

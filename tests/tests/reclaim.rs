@@ -170,11 +170,12 @@ impl Agent {
                 agent.child.stderr()
             )
         });
-        assert_eq!(
-            healthy["reclaim_mechanism"],
-            json!("netlink-sock-destroy"),
-            "{healthy}"
-        );
+        let mechanism = if text.contains(BPF_ITER) {
+            "bpf-sock-destroy"
+        } else {
+            "netlink-sock-destroy"
+        };
+        assert_eq!(healthy["reclaim_mechanism"], json!(mechanism), "{healthy}");
         agent
     }
 
@@ -1479,13 +1480,26 @@ max_per_round = 2
     chain.assert_json_ok();
 }
 
+/// Forces the fallback destroy mechanism (the bpf_sock_destroy kfunc from iter/tcp).
+const BPF_ITER: &str = "mechanism = \"bpf-iter\"";
+
 #[test]
 fn close_wait_pool_leak_is_reclaimed_and_the_client_lives_on() {
+    close_wait_pool_leak("rc-cw", None);
+}
+
+/// The same leak on the fallback path that kernels without CONFIG_INET_DIAG_DESTROY use.
+#[test]
+fn close_wait_pool_leak_is_reclaimed_through_the_bpf_sock_destroy_fallback() {
+    close_wait_pool_leak("rc-cwb", Some(BPF_ITER));
+}
+
+fn close_wait_pool_leak(ns_name: &str, reclaim_extra: Option<&str>) {
     let Some(_env) = require_privileges() else {
         return;
     };
-    let ns = NetNs::new("rc-cw");
-    let dir = TempDir::new("closewait");
+    let ns = NetNs::new(ns_name);
+    let dir = TempDir::new(ns_name);
     const N: usize = 10;
     let (client, ready) = peer(
         &ns,
@@ -1515,12 +1529,11 @@ trigger = "always"
 select = {{ comm = "{PEER_COMM}", peer_port = 7500, states = ["CLOSE_WAIT"] }}
 "#
     );
-    let agent = Agent::start(
-        &ns,
-        &dir.path("connreap.toml"),
-        &audit,
-        &config(&audit, &[22], None, &policy),
-    );
+    let mut text = config(&audit, &[22], None, &policy);
+    if let Some(extra) = reclaim_extra {
+        text = text.replace("[reclaim]\n", &format!("[reclaim]\n{extra}\n"));
+    }
+    let agent = Agent::start(&ns, &dir.path("connreap.toml"), &audit, &text);
 
     // Without api.token_file the endpoint is off.
     let (code, body) = agent.post_reclaim(

@@ -144,36 +144,21 @@ pub fn destroy(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> Result<(
     }
 }
 
+pub const MECHANISM: &str = "netlink-sock-destroy";
+
 /// Check that destroy works here, on a loopback pair of our own. Returns the mechanism name.
 pub fn probe() -> Result<&'static str, String> {
-    use std::io::Read;
-    let listener =
-        std::net::TcpListener::bind("127.0.0.1:0").map_err(|e| format!("probe listener: {e}"))?;
-    let server_addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let mut client =
-        std::net::TcpStream::connect(server_addr).map_err(|e| format!("probe connect: {e}"))?;
-    let (_server, _) = listener
-        .accept()
-        .map_err(|e| format!("probe accept: {e}"))?;
-    let local = client.local_addr().map_err(|e| e.to_string())?;
-    let found = lookup(local, server_addr)
-        .map_err(|e| format!("sock_diag lookup: {e}"))?
-        .ok_or("sock_diag lookup did not find the probe socket")?;
-    destroy(local, server_addr, found.cookie).map_err(|e| match e.errno() {
-        Some(libc::EOPNOTSUPP) => {
-            "netlink SOCK_DESTROY not supported (kernel built without CONFIG_INET_DIAG_DESTROY)"
-                .to_string()
-        }
-        _ => format!("netlink SOCK_DESTROY failed: {e}"),
+    super::destroy::probe_pair(|local, server, _| {
+        let found = lookup(local, server)
+            .map_err(|e| format!("sock_diag lookup: {e}"))?
+            .ok_or("sock_diag lookup did not find the probe socket")?;
+        destroy(local, server, found.cookie).map_err(|e| match e.errno() {
+            Some(libc::EOPNOTSUPP) => {
+                "netlink SOCK_DESTROY not supported (kernel built without CONFIG_INET_DIAG_DESTROY)"
+                    .to_string()
+            }
+            _ => format!("netlink SOCK_DESTROY failed: {e}"),
+        })
     })?;
-    client
-        .set_read_timeout(Some(std::time::Duration::from_secs(1)))
-        .map_err(|e| e.to_string())?;
-    let mut b = [0u8; 1];
-    match client.read(&mut b) {
-        Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => Ok("netlink-sock-destroy"),
-        other => Err(format!(
-            "probe socket survived SOCK_DESTROY (read gave {other:?})"
-        )),
-    }
+    Ok(MECHANISM)
 }

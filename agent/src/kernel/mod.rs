@@ -6,6 +6,7 @@
 //! `/sys/fs/bpf/connreap/<object-hash>/` so that socket ages survive agent restarts and one-shot
 //! commands like `snapshot` see ages of sockets created before they ran. A new object (upgrade)
 //! gets a new directory and the stale ones are removed, which detaches the old tracker.
+pub mod destroy;
 pub mod diag;
 pub mod offsets;
 
@@ -390,6 +391,11 @@ impl Loaded {
 }
 
 impl Kernel {
+    /// Load the fallback destroy iterator (see [`destroy`]).
+    pub fn destroyer(&self, verbose: bool) -> Result<destroy::BpfDestroyer, KernelError> {
+        destroy::BpfDestroyer::load(OBJECT, &self.pin_dir, verbose)
+    }
+
     fn run_iter(it: &mut Iter, what: &'static str) -> Result<Vec<u8>, KernelError> {
         let err = |reason: String| KernelError::Iterate { what, reason };
         let id = it.attach().map_err(|e| err(full_chain(&e)))?;

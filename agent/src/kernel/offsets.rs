@@ -17,6 +17,21 @@ pub enum OffsetError {
     NoMember { strukt: String, member: String },
     #[error("kernel BTF: `{strukt}.{member}` is a bitfield or not byte aligned")]
     Unaligned { strukt: String, member: String },
+    #[error("kernel BTF has no function `{0}` (kfunc missing: too old a kernel?)")]
+    NoFunc(String),
+}
+
+/// BTF id of a kernel function (a kfunc), for a `BPF_PSEUDO_KFUNC_CALL`.
+pub fn func_id(path: &Path, name: &str) -> Result<u32, OffsetError> {
+    let btf = Btf::from_file(path).map_err(|e| OffsetError::Read {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    btf.resolve_ids_by_name(name)
+        .unwrap_or_default()
+        .into_iter()
+        .find(|id| matches!(btf.resolve_type_by_id(*id), Ok(Type::Func(_))))
+        .ok_or_else(|| OffsetError::NoFunc(name.into()))
 }
 
 struct Resolver {

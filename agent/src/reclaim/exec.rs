@@ -11,9 +11,12 @@ use serde::Serialize;
 
 use super::{armed, decision, mode_name, old_enough, plan, selected, Decision, Outcome};
 use crate::{
-    config::{Config, PolicyConfig, PolicyMode},
+    config::{Config, DestroyMechanism, PolicyConfig, PolicyMode},
     detect::QuotaRef,
-    kernel::diag,
+    kernel::{
+        destroy::{self, BpfDestroyer, DestroyResult},
+        diag, Kernel,
+    },
     quota::QuotaStatus,
     scan::Scanner,
     table::Socket,
@@ -40,9 +43,53 @@ impl RoundResult {
     }
 }
 
+/// How a socket gets destroyed.
+pub enum Destroyer {
+    /// netlink SOCK_DESTROY, by 4-tuple and cookie (what `ss -K` does).
+    Netlink,
+    /// The bpf_sock_destroy kfunc from an iter/tcp program, by inode and kernel address.
+    Bpf(BpfDestroyer),
+}
+
+impl Destroyer {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Destroyer::Netlink => diag::MECHANISM,
+            Destroyer::Bpf(_) => destroy::MECHANISM,
+        }
+    }
+
+    /// The configured mechanism, checked on a loopback pair of our own.
+    pub fn choose(
+        wanted: DestroyMechanism,
+        kernel: &Kernel,
+        verbose: bool,
+    ) -> Result<Destroyer, String> {
+        let bpf = || -> Result<Destroyer, String> {
+            let mut d = kernel
+                .destroyer(verbose)
+                .map_err(|e| format!("bpf_sock_destroy fallback: {e}"))?;
+            d.probe()
+                .map_err(|e| format!("bpf_sock_destroy fallback: {e}"))?;
+            Ok(Destroyer::Bpf(d))
+        };
+        match wanted {
+            DestroyMechanism::Netlink => diag::probe().map(|_| Destroyer::Netlink),
+            DestroyMechanism::BpfIter => bpf(),
+            DestroyMechanism::Auto => match diag::probe() {
+                Ok(_) => Ok(Destroyer::Netlink),
+                Err(netlink) => {
+                    tracing::warn!(reason = %netlink, "netlink socket destroy unavailable; trying the bpf_sock_destroy fallback");
+                    bpf().map_err(|fallback| format!("{netlink}; {fallback}"))
+                }
+            },
+        }
+    }
+}
+
 pub struct Reclaimer {
     /// The destroy mechanism, or why there is none.
-    pub mechanism: Result<&'static str, String>,
+    pub mechanism: Result<Destroyer, String>,
     audit_path: PathBuf,
     recent: VecDeque<Decision>,
     /// Per policy: when its last killing round ended (RFC 3339 UTC, ms). A quota-triggered
@@ -53,10 +100,10 @@ pub struct Reclaimer {
 }
 
 impl Reclaimer {
-    pub fn new(cfg: &Config) -> Self {
-        let mechanism = diag::probe();
+    pub fn new(cfg: &Config, kernel: &Kernel, verbose: bool) -> Self {
+        let mechanism = Destroyer::choose(cfg.reclaim.mechanism, kernel, verbose);
         match &mechanism {
-            Ok(m) => tracing::info!(mechanism = m, "socket destroy works"),
+            Ok(m) => tracing::info!(mechanism = m.name(), "socket destroy works"),
             Err(e) if cfg.policy.iter().any(|p| p.mode == PolicyMode::Enforce) => {
                 tracing::error!(reason = %e, "NO socket destroy mechanism: enforce policies will run as DRY-RUN")
             }
@@ -73,7 +120,7 @@ impl Reclaimer {
 
     pub fn mechanism_name(&self) -> &str {
         match &self.mechanism {
-            Ok(m) => m,
+            Ok(m) => m.name(),
             Err(_) => "none",
         }
     }
@@ -187,11 +234,13 @@ impl Reclaimer {
                 Ok(fresh) => {
                     let now: HashMap<(u64, u64), &Socket> =
                         fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
-                    for s in &planned.targets {
-                        let (outcome, why, cookie) =
-                            kill(p, s, now.get(&(s.skaddr, s.inode)).copied());
+                    let outcomes = match self.mechanism.as_mut() {
+                        Ok(destroyer) => kill_all(p, destroyer, &planned.targets, &now),
+                        Err(_) => Vec::new(),
+                    };
+                    for (s, (outcome, why, cookie)) in planned.targets.iter().zip(outcomes) {
                         let mut d = decision(p, &mode, s, &quota, outcome, why);
-                        if let Some(c) = cookie.map(cookie_u64) {
+                        if let Some(c) = cookie {
                             // The cookie the kill went by (the table's may still be 0).
                             d.cookie = Some(format!("{c:#x}"));
                         }
@@ -239,36 +288,111 @@ fn cookie_u64(c: [u8; 8]) -> u64 {
     (u64::from(hi) << 32) | u64::from(lo)
 }
 
-/// Re-check one target against its fresh kernel view, then destroy it. Also returns the
-/// cookie the destroy request went by, when one was sent.
-fn kill(
+type KillOutcome = (Outcome, Option<String>, Option<u64>);
+
+/// Re-check every target against its fresh kernel view and destroy those that still qualify.
+/// One outcome per target, in order; also the cookie a netlink destroy went by.
+fn kill_all(
+    p: &PolicyConfig,
+    destroyer: &mut Destroyer,
+    targets: &[&Socket],
+    now: &HashMap<(u64, u64), &Socket>,
+) -> Vec<KillOutcome> {
+    let mut out: Vec<KillOutcome> = Vec::with_capacity(targets.len());
+    // Targets for the BPF mechanism, destroyed together in one iterator pass.
+    let mut batch: Vec<(usize, (u64, u64))> = Vec::new();
+    for s in targets {
+        let fresh = match recheck(p, s, now.get(&(s.skaddr, s.inode)).copied()) {
+            Ok(fresh) => fresh,
+            Err(why) => {
+                out.push((Outcome::Skipped, Some(why), None));
+                continue;
+            }
+        };
+        match destroyer {
+            Destroyer::Netlink => out.push(kill_netlink(fresh)),
+            Destroyer::Bpf(_) if fresh.inode == 0 => out.push((
+                Outcome::Skipped,
+                Some("no inode to identify the socket by (bpf-sock-destroy needs one)".into()),
+                None,
+            )),
+            Destroyer::Bpf(_) => {
+                batch.push((out.len(), (fresh.inode, fresh.skaddr)));
+                out.push((Outcome::Failed, Some("not attempted".into()), None));
+            }
+        }
+    }
+    if let (Destroyer::Bpf(d), false) = (destroyer, batch.is_empty()) {
+        let wanted: Vec<(u64, u64)> = batch.iter().map(|(_, t)| *t).collect();
+        match d.destroy(&wanted) {
+            Ok(results) => {
+                for ((i, _), r) in batch.iter().zip(results) {
+                    out[*i] = match r {
+                        DestroyResult::Destroyed => (Outcome::Killed, None, None),
+                        DestroyResult::NotFound => (
+                            Outcome::Skipped,
+                            Some("closed before the kill".into()),
+                            None,
+                        ),
+                        DestroyResult::Mismatch => (
+                            Outcome::Skipped,
+                            Some(
+                                "inode now belongs to another socket: not the selected one".into(),
+                            ),
+                            None,
+                        ),
+                        DestroyResult::Errno(e) => (
+                            Outcome::Failed,
+                            Some(format!(
+                                "bpf_sock_destroy: {}",
+                                std::io::Error::from_raw_os_error(e)
+                            )),
+                            None,
+                        ),
+                    };
+                }
+            }
+            Err(e) => {
+                for (i, _) in &batch {
+                    out[*i] = (
+                        Outcome::Failed,
+                        Some(format!("bpf_sock_destroy: {e}")),
+                        None,
+                    );
+                }
+            }
+        }
+    }
+    out
+}
+
+/// The fresh view of a target if it still qualifies: same socket, same owner, still selected
+/// and still old/idle enough.
+fn recheck<'a>(
     p: &PolicyConfig,
     was: &Socket,
-    now: Option<&Socket>,
-) -> (Outcome, Option<String>, Option<[u8; 8]>) {
+    now: Option<&'a Socket>,
+) -> Result<&'a Socket, String> {
     let Some(now) = now else {
-        return (Outcome::Skipped, Some("gone before the kill".into()), None);
+        return Err("gone before the kill".into());
     };
     if now.pid() != was.pid() {
-        return (
-            Outcome::Skipped,
-            Some("owner changed since selection".into()),
-            None,
-        );
+        return Err("owner changed since selection".into());
     }
     if !selected(&p.select, now) || !old_enough(p, now) {
-        return (
-            Outcome::Skipped,
-            Some(format!(
-                "no longer matches on re-check (state {}, idle {})",
-                now.state,
-                now.idle
-                    .map(crate::snapshot::human)
-                    .unwrap_or_else(|| "-".into())
-            )),
-            None,
-        );
+        return Err(format!(
+            "no longer matches on re-check (state {}, idle {})",
+            now.state,
+            now.idle
+                .map(crate::snapshot::human)
+                .unwrap_or_else(|| "-".into())
+        ));
     }
+    Ok(now)
+}
+
+/// Exact lookup by 4-tuple (same inode), then SOCK_DESTROY by that cookie.
+fn kill_netlink(now: &Socket) -> KillOutcome {
     match diag::lookup(now.local, now.peer) {
         Ok(None) => (
             Outcome::Skipped,
@@ -283,19 +407,18 @@ fn kill(
             )),
             None,
         ),
-        Ok(Some(d)) => match diag::destroy(now.local, now.peer, d.cookie) {
-            Ok(()) => (Outcome::Killed, None, Some(d.cookie)),
-            Err(e) if e.errno() == Some(libc::ENOENT) => (
-                Outcome::Skipped,
-                Some("closed before the kill".into()),
-                Some(d.cookie),
-            ),
-            Err(e) => (
-                Outcome::Failed,
-                Some(format!("SOCK_DESTROY: {e}")),
-                Some(d.cookie),
-            ),
-        },
+        Ok(Some(d)) => {
+            let cookie = Some(cookie_u64(d.cookie));
+            match diag::destroy(now.local, now.peer, d.cookie) {
+                Ok(()) => (Outcome::Killed, None, cookie),
+                Err(e) if e.errno() == Some(libc::ENOENT) => (
+                    Outcome::Skipped,
+                    Some("closed before the kill".into()),
+                    cookie,
+                ),
+                Err(e) => (Outcome::Failed, Some(format!("SOCK_DESTROY: {e}")), cookie),
+            }
+        }
         Err(e) => (
             Outcome::Failed,
             Some(format!("sock_diag lookup: {e}")),

@@ -1,0 +1,220 @@
+//! The fallback destroy mechanism, for kernels built without `CONFIG_INET_DIAG_DESTROY` (where
+//! netlink SOCK_DESTROY answers EOPNOTSUPP): the `connreap_iter_destroy` iter/tcp program calls
+//! the `bpf_sock_destroy` kfunc (Linux 6.5+) on sockets listed by inode in `CONNREAP_DESTROY`.
+//!
+//! The kfunc call in the object is a hand-encoded instruction with a placeholder BTF id (rustc
+//! cannot emit BTF for an extern kfunc); [`patch_kfunc`] writes the running kernel's id of
+//! `bpf_sock_destroy` into a copy of the object before it is loaded.
+use std::{
+    io::Read as _,
+    net::{SocketAddr, TcpListener, TcpStream},
+    os::fd::AsRawFd,
+    path::Path,
+};
+
+use aya::{
+    maps::{HashMap as BpfHashMap, MapData},
+    programs::Iter,
+    Btf, Ebpf, EbpfLoader,
+};
+use connreap_ebpf::{kfunc, names, DestroyRequest};
+
+use super::{full_chain, offsets, program_error, KernelError, BTF_PATH};
+
+pub const MECHANISM: &str = "bpf-sock-destroy";
+
+/// Replace every placeholder kfunc call's `imm` with `btf_id`; returns how many were patched.
+pub fn patch_kfunc(object: &mut [u8], btf_id: u32) -> usize {
+    let needle = kfunc::INSN.to_le_bytes();
+    let mut patched = 0;
+    let mut i = 0;
+    // Instructions are 8-byte aligned within their section, but sections need not be aligned
+    // to 8 in the file: scan every offset.
+    while i + 8 <= object.len() {
+        if object[i..i + 8] == needle {
+            object[i + 4..i + 8].copy_from_slice(&btf_id.to_le_bytes());
+            patched += 1;
+            i += 8;
+        } else {
+            i += 1;
+        }
+    }
+    patched
+}
+
+/// What the iterator reported for one target.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum DestroyResult {
+    Destroyed,
+    /// No socket with that inode in this network namespace (closed meanwhile).
+    NotFound,
+    /// The inode belongs to a socket at another address: not the selected socket.
+    Mismatch,
+    /// bpf_sock_destroy returned this errno.
+    Errno(i32),
+}
+
+pub struct BpfDestroyer {
+    ebpf: Ebpf,
+    verbose: bool,
+}
+
+impl BpfDestroyer {
+    /// Load the destroy iterator (the pinned maps of `pin_dir` are reused, not recreated).
+    pub fn load(object: &[u8], pin_dir: &Path, verbose: bool) -> Result<Self, KernelError> {
+        let btf_id = offsets::func_id(Path::new(BTF_PATH), "bpf_sock_destroy")?;
+        let mut object = object.to_vec();
+        if patch_kfunc(&mut object, btf_id) == 0 {
+            return Err(KernelError::Load(
+                "the BPF object has no bpf_sock_destroy call to patch".into(),
+            ));
+        }
+        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
+        let ebpf = EbpfLoader::new()
+            .override_global(names::OFFSETS, &offsets, true)
+            .map_pin_path(names::STATE_MAP, pin_dir.join("state").as_path())
+            .map_pin_path(names::EVENTS, pin_dir.join("events").as_path())
+            .map_pin_path(names::COUNTERS, pin_dir.join("counters").as_path())
+            .load(&object)
+            .map_err(|e| KernelError::Load(full_chain(&e)))?;
+        let mut me = BpfDestroyer { ebpf, verbose };
+        let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+        let verbose = me.verbose;
+        me.iter()?
+            .load("tcp", &btf)
+            .map_err(|e| program_error(verbose, names::PROG_ITER_DESTROY, e))?;
+        Ok(me)
+    }
+
+    fn iter(&mut self) -> Result<&mut Iter, KernelError> {
+        let p = self
+            .ebpf
+            .program_mut(names::PROG_ITER_DESTROY)
+            .ok_or_else(|| KernelError::Load("destroy iterator missing from the object".into()))?;
+        p.try_into()
+            .map_err(|_| KernelError::Load("destroy iterator has an unexpected type".into()))
+    }
+
+    fn requests(&mut self) -> Result<BpfHashMap<&mut MapData, u64, DestroyRequest>, KernelError> {
+        let map = self
+            .ebpf
+            .map_mut(names::DESTROY_MAP)
+            .ok_or(KernelError::MissingMap(names::DESTROY_MAP))?;
+        BpfHashMap::try_from(map).map_err(|e| KernelError::Load(e.to_string()))
+    }
+
+    /// Destroy the sockets with these inodes (each at the given kernel address, 0 = any) in one
+    /// pass over the namespace's TCP sockets.
+    pub fn destroy(&mut self, targets: &[(u64, u64)]) -> Result<Vec<DestroyResult>, KernelError> {
+        let err = |reason: String| KernelError::Iterate {
+            what: "destroy",
+            reason,
+        };
+        let mut out = Vec::with_capacity(targets.len());
+        for chunk in targets.chunks(kfunc::MAX_TARGETS as usize) {
+            {
+                let mut reqs = self.requests()?;
+                let stale: Vec<u64> = reqs.keys().flatten().collect();
+                for k in stale {
+                    let _ = reqs.remove(&k);
+                }
+                for &(inode, skaddr) in chunk {
+                    let req = DestroyRequest {
+                        skaddr,
+                        ..Default::default()
+                    };
+                    reqs.insert(inode, req, 0)
+                        .map_err(|e| err(full_chain(&e)))?;
+                }
+            }
+            let it = self.iter()?;
+            let id = it.attach().map_err(|e| err(full_chain(&e)))?;
+            let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
+            let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
+            let mut sink = Vec::new();
+            file.read_to_end(&mut sink)
+                .map_err(|e| err(e.to_string()))?;
+            let mut reqs = self.requests()?;
+            for &(inode, _) in chunk {
+                let r = match reqs.get(&inode, 0) {
+                    Ok(r) if r.done == 0 => DestroyResult::NotFound,
+                    Ok(r) if r.result == 0 => DestroyResult::Destroyed,
+                    Ok(r) if r.result == kfunc::MISMATCH => DestroyResult::Mismatch,
+                    Ok(r) => DestroyResult::Errno(-r.result),
+                    Err(e) => return Err(err(full_chain(&e))),
+                };
+                let _ = reqs.remove(&inode);
+                out.push(r);
+            }
+        }
+        Ok(out)
+    }
+
+    /// Check that the fallback works here, on a loopback pair of our own.
+    pub fn probe(&mut self) -> Result<&'static str, String> {
+        probe_pair(|_, _, client| {
+            let inode = inode_of(client)?;
+            match self.destroy(&[(inode, 0)]) {
+                Ok(r) if r == [DestroyResult::Destroyed] => Ok(()),
+                Ok(r) => Err(format!("bpf_sock_destroy on the probe socket: {r:?}")),
+                Err(e) => Err(e.to_string()),
+            }
+        })?;
+        Ok(MECHANISM)
+    }
+}
+
+fn inode_of(s: &TcpStream) -> Result<u64, String> {
+    // SAFETY: fstat on an fd we own, into a zeroed struct.
+    let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    if unsafe { libc::fstat(s.as_raw_fd(), &mut st) } != 0 {
+        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+    }
+    Ok(st.st_ino)
+}
+
+/// Run `kill(local, peer, client)` on a fresh loopback connection of our own and check that
+/// the client then reads ECONNABORTED, as an application whose socket was reclaimed would.
+pub fn probe_pair(
+    kill: impl FnOnce(SocketAddr, SocketAddr, &TcpStream) -> Result<(), String>,
+) -> Result<(), String> {
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("probe listener: {e}"))?;
+    let server_addr = listener.local_addr().map_err(|e| e.to_string())?;
+    let mut client = TcpStream::connect(server_addr).map_err(|e| format!("probe connect: {e}"))?;
+    let (_server, _) = listener
+        .accept()
+        .map_err(|e| format!("probe accept: {e}"))?;
+    let local = client.local_addr().map_err(|e| e.to_string())?;
+    kill(local, server_addr, &client)?;
+    client
+        .set_read_timeout(Some(std::time::Duration::from_secs(1)))
+        .map_err(|e| e.to_string())?;
+    let mut b = [0u8; 1];
+    match client.read(&mut b) {
+        Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => Ok(()),
+        other => Err(format!(
+            "probe socket survived the destroy (read gave {other:?})"
+        )),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn patches_every_placeholder_call_and_nothing_else() {
+        let insn = kfunc::INSN.to_le_bytes();
+        let mut obj = vec![0xaa; 3];
+        obj.extend_from_slice(&insn);
+        obj.extend_from_slice(&[0x85, 0x20, 0, 0, 1, 2, 3, 4]);
+        obj.extend_from_slice(&insn);
+        let before = obj.clone();
+        assert_eq!(patch_kfunc(&mut obj, 0x1234_5678), 2);
+        assert_eq!(&obj[3..7], &[0x85, 0x20, 0, 0]);
+        assert_eq!(&obj[7..11], &0x1234_5678u32.to_le_bytes());
+        assert_eq!(&obj[11..19], &before[11..19]);
+        assert_eq!(&obj[23..27], &0x1234_5678u32.to_le_bytes());
+        assert_eq!(patch_kfunc(&mut obj, 7), 0);
+    }
+}
