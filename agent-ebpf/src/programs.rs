@@ -107,12 +107,43 @@ fn tp_addr16(ctx: &TracePointContext, off: usize) -> [u8; 16] {
 /// most transitions cost no wakeup.
 const WAKEUP_BYTES: u64 = 256 * 1024;
 
+/// Bench-only build variants of the tracker, to measure what each part of it costs
+/// (`cargo xtask bench --probe-parts` builds one object per variant). Normal builds never set
+/// `CONNREAP_PROBE_VARIANT`: these are compile-time constants and the checks compile away.
+const VARIANT: &str = match option_env!("CONNREAP_PROBE_VARIANT") {
+    Some(v) => v,
+    None => "full",
+};
+const fn variant_is(name: &str) -> bool {
+    let (a, b) = (VARIANT.as_bytes(), name.as_bytes());
+    if a.len() != b.len() {
+        return false;
+    }
+    let mut i = 0;
+    while i < a.len() {
+        if a[i] != b[i] {
+            return false;
+        }
+        i += 1;
+    }
+    true
+}
+/// Count the transition and stop: the floor (entry, stats, ctx loads).
+const COUNT_ONLY: bool = variant_is("count-only");
+/// Everything but the per-socket state map.
+const NO_MAP: bool = variant_is("no-map");
+/// Everything but the event ring.
+const NO_RING: bool = variant_is("no-ring");
+
 fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
     let protocol: u16 = tp(ctx, TP_PROTOCOL);
     if protocol != IPPROTO_TCP {
         return Ok(());
     }
     bump(counter::TRANSITIONS);
+    if COUNT_ONLY {
+        return Ok(());
+    }
     let now = unsafe { bpf_ktime_get_ns() };
     let skaddr: u64 = tp(ctx, TP_SKADDR);
     let oldstate: i32 = tp(ctx, TP_OLDSTATE);
@@ -136,7 +167,8 @@ fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
         entry.daddr[..4].copy_from_slice(&d.to_ne_bytes());
     }
 
-    if newstate as u8 == tcp_state::CLOSE {
+    if NO_MAP {
+    } else if newstate as u8 == tcp_state::CLOSE {
         let _ = CONNREAP_STATE.remove(&skaddr);
     } else if let Some(existing) = CONNREAP_STATE.get_ptr_mut(&skaddr) {
         // Update in place: no allocation for sockets already tracked.
@@ -147,6 +179,9 @@ fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
         bump(counter::MAP_FULL);
     }
 
+    if NO_RING {
+        return Ok(());
+    }
     match CONNREAP_EVENTS.reserve::<TransitionEvent>(0) {
         Some(mut slot) => {
             let pid = (bpf_get_current_pid_tgid() >> 32) as u32;

@@ -10,6 +10,7 @@ mod agent;
 mod footprint;
 mod load;
 mod measure;
+mod parts;
 mod probe;
 mod proc;
 mod profile;
@@ -43,6 +44,10 @@ pub struct BenchArgs {
     /// Skip the diagnostics that explain figures (perf profiles, the gdb malloc_trim step).
     #[arg(long)]
     no_profile: bool,
+    /// Also measure what each part of the tracker costs (measure 1), from bench-only builds of
+    /// it (builds three extra agents first: a few minutes).
+    #[arg(long)]
+    probe_parts: bool,
     /// Only these measures (1-6, comma-separated); writes target/bench-partial.md.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
@@ -55,6 +60,8 @@ pub struct BenchArgs {
 /// State shared between measures (later ones reuse earlier figures in their diagnosis).
 pub struct Ctx {
     pub smoke: bool,
+    /// Measure the tracker by parts (the variant agents are built).
+    pub parts: bool,
     /// Profile with perf to explain figures.
     pub perf: bool,
     /// Configs and daemon logs.
@@ -107,7 +114,10 @@ after a scan before the load and after the second scan after it; avg = Δrun_tim
 (judged): the daemon scans an empty namespace every 1 s, so only the churn runs in the churn's \
 namespace. Window B: the daemon runs in the churn's namespace at the default 5 s interval (its \
 iterator figures are per socket / per file). Then, with stats off and a daemon that reads the ring \
-but does not scan, `perf record -a` during 3 s more of churn splits the tracker's kernel time by part.
+but does not scan, `perf record -a` during 3 s more of churn splits the tracker's kernel time by part. \
+With `--probe-parts`, bench-only builds of the tracker (no event ring; no state map; count only) \
+run in alternated 3 s windows next to the shipped one, so each part's cost is a difference \
+measured in the same run.
 2. **Churn overhead**: rounds of one scan interval (5 s), alternated ABBA: *detached* after \
 `connreap unpin` with no daemon, *attached* with the tracker pinned and `connreap run` (defaults, \
 scan_interval 5s) in the churn's namespace, the round starting half an interval after its first \
@@ -245,6 +255,9 @@ pub fn run(args: BenchArgs) -> Result<()> {
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     agent::use_copy_in(&dir)?;
+    if args.probe_parts {
+        parts::build(&dir)?;
+    }
     let mut conditions = Vec::new();
     let busy = wait_quiet(Duration::from_secs(args.wait_quiet))?;
     let (lock, waited) = sys::e2e_lock(Duration::from_secs(args.wait_quiet.max(60)))?;
@@ -257,6 +270,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let t0 = Instant::now();
     let mut ctx = Ctx {
         smoke: args.smoke,
+        parts: args.probe_parts,
         perf: !args.no_profile && profile::available(),
         dir: dir.clone(),
         idle_rss_kb: None,

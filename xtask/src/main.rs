@@ -75,6 +75,11 @@ fn cargo() -> Command {
 }
 
 pub fn build_ebpf() -> Result<()> {
+    build_ebpf_variant(None)
+}
+
+/// The BPF object, or a bench-only variant of the tracker (see agent-ebpf's programs.rs).
+pub fn build_ebpf_variant(variant: Option<&str>) -> Result<()> {
     setup::ensure()?;
     let mut cmd = Command::new("rustup");
     cmd.current_dir(root().join("agent-ebpf"))
@@ -89,11 +94,20 @@ pub fn build_ebpf() -> Result<()> {
             ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
         )
         .env("PATH", setup::path_with_cargo_bin());
+    match variant {
+        Some(v) => cmd.env("CONNREAP_PROBE_VARIANT", v),
+        None => cmd.env_remove("CONNREAP_PROBE_VARIANT"),
+    };
     run(&mut cmd)
 }
 
 pub fn build_agent() -> Result<()> {
     build_ebpf()?;
+    build_agent_only()
+}
+
+/// The agent around whatever BPF object was built last.
+pub fn build_agent_only() -> Result<()> {
     run(cargo().args(["build", "--release", "--package", "connreap"]))
 }
 

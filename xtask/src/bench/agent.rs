@@ -20,7 +20,7 @@ use super::{
 
 pub const LISTEN: &str = "127.0.0.1:9477";
 
-static BIN: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+static BIN: std::sync::Mutex<Option<PathBuf>> = std::sync::Mutex::new(None);
 
 /// Copy the built agent to `dir` and use that copy for the whole run: a rebuild by someone else
 /// mid-run can then neither mix two builds into one report nor break perf's symbol lookup.
@@ -34,12 +34,22 @@ pub fn use_copy_in(dir: &Path) -> Result<()> {
             copy.display()
         )
     })?;
-    let _ = BIN.set(copy);
+    set_bin(copy);
     Ok(())
 }
 
+/// Use this agent binary from now on (the probe-parts measure switches between variants).
+pub fn set_bin(path: PathBuf) {
+    if let Ok(mut b) = BIN.lock() {
+        *b = Some(path);
+    }
+}
+
 pub fn bin() -> PathBuf {
-    BIN.get().cloned().unwrap_or_else(crate::agent_bin)
+    BIN.lock()
+        .ok()
+        .and_then(|b| b.clone())
+        .unwrap_or_else(crate::agent_bin)
 }
 
 /// `connreap ARGS` on the host (stdout/stderr discarded), failing on a non-zero exit.

@@ -137,6 +137,14 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
         1,
         Duration::from_secs(dur_b),
     )?;
+    let by_parts = if ctx.parts {
+        let one = |ctx: &Ctx, tag: &str, hs: (&NsHandle, &NsHandle)| -> Result<f64> {
+            Ok(window(ctx, tag, hs, 1.0, 1, Duration::from_secs(3))?.median())
+        };
+        Some(super::parts::measure(ctx, (&agent_ns.handle(), &h), one)?)
+    } else {
+        None
+    };
     drop(stats);
     ctx.idle_rss_kb = Some(a.rss_kb);
     ctx.idle_kinds = Some(a.kinds.clone());
@@ -187,6 +195,12 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
         b.churn.rate()
     ));
     row.details.extend(table(&b));
+    if let Some((lines, diagnosis)) = by_parts {
+        row.details.extend(lines);
+        if row.verdict == Verdict::Miss {
+            row.diagnosis.push(diagnosis);
+        }
+    }
     if let Some((details, diagnosis, dispatch_ns)) = prof {
         ctx.dispatch_ns = dispatch_ns;
         row.details.extend(details);
