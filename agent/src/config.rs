@@ -711,4 +711,17 @@ format = "json"
         .to_string();
         assert!(e.starts_with("c.toml:4: `detect.storm_rate`"), "{e}");
     }
+
+    #[test]
+    fn destroy_mechanism_is_one_of_three() {
+        let c = parse("[reclaim]\nmechanism = \"bpf-iter\"\n", "c.toml").unwrap();
+        assert_eq!(c.reclaim.mechanism, DestroyMechanism::BpfIter);
+        let c = parse("[reclaim]\nmechanism = \"netlink\"\n", "c.toml").unwrap();
+        assert_eq!(c.reclaim.mechanism, DestroyMechanism::Netlink);
+        let e = parse("[reclaim]\nmechanism = \"ebpf\"\n", "c.toml")
+            .unwrap_err()
+            .to_string();
+        assert!(e.starts_with("c.toml:2:"), "{e}");
+        assert!(e.contains("reclaim.mechanism") && e.contains("bpf-iter"), "{e}");
+    }
 }
