@@ -79,11 +79,7 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
     let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
     let table = scanner.scan()?;
     let mut selected: Vec<&table::Socket> = table.iter().filter(|s| filter.matches(s)).collect();
-    selected.sort_by(|a, b| {
-        (a.comm(), a.pid(), a.service_port, a.state)
-            .cmp(&(b.comm(), b.pid(), b.service_port, b.state))
-            .then(b.age.cmp(&a.age))
-    });
+    snapshot::sort_for_display(&mut selected);
     let groups = snapshot::summarize(
         &selected,
         filter.idle_min.unwrap_or(Duration::from_secs(30)),
