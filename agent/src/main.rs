@@ -98,7 +98,7 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
         };
         // Streamed, compact: no intermediate JSON tree for 100k sockets.
         let mut w = std::io::BufWriter::new(std::io::stdout().lock());
-        serde_json::to_writer(&mut w, &out)?;
+        snapshot::to_json_writer(&mut w, &out)?;
         std::io::Write::write_all(&mut w, b"\n")?;
         std::io::Write::flush(&mut w)?;
     } else {
