@@ -22,6 +22,11 @@ use crate::{
 #[derive(Default)]
 pub struct Published {
     pub table: Vec<Socket>,
+    /// Sockets in the last table (kept while the next one is built).
+    pub sockets: usize,
+    /// The scan loop freed `table` and is building the next one (the daemon never holds two
+    /// tables): readers wait for [`AppState::table_ready`].
+    pub table_pending: bool,
     pub alerts: Vec<Alert>,
     pub quotas: Vec<QuotaStatus>,
     pub last_scan: Option<Instant>,
@@ -36,6 +41,8 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub cfg: Config,
     pub started: Instant,
+    /// Signalled when a scan publishes its table (or fails).
+    pub table_ready: tokio::sync::Notify,
     pub scanner: Arc<Mutex<Scanner>>,
     pub reclaimer: Arc<Mutex<Reclaimer>>,
     /// Bearer token for POST /v1/reclaim (None: endpoint off).
@@ -79,7 +86,7 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
         "scans": p.scans,
         "last_scan_age_secs": age.map(|a| a.as_secs_f64()),
         "last_scan_error": p.last_scan_error,
-        "sockets": p.table.len(),
+        "sockets": p.sockets,
         "findings": p.alerts.len(),
         "webhook_queued": p.webhook_queued,
         "uptime_secs": st.started.elapsed().as_secs(),
@@ -118,9 +125,21 @@ async fn sockets(
         Ok(f) => f,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
-    let p = st.read();
-    let selected: Vec<&Socket> = p.table.iter().filter(|s| filter.matches(s)).collect();
-    Json(json!({ "count": selected.len(), "sockets": selected })).into_response()
+    loop {
+        // Registered before the check, so a publication between the two is not missed.
+        let ready = st.table_ready.notified();
+        tokio::pin!(ready);
+        ready.as_mut().enable();
+        {
+            let p = st.read();
+            if !p.table_pending {
+                let selected: Vec<&Socket> = p.table.iter().filter(|s| filter.matches(s)).collect();
+                return Json(json!({ "count": selected.len(), "sockets": selected }))
+                    .into_response();
+            }
+        }
+        ready.await;
+    }
 }
 
 async fn findings(State(st): State<Arc<AppState>>) -> Response {

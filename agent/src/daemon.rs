@@ -270,12 +270,24 @@ impl Loop {
         loop {
             ticker.tick().await;
             let t0 = Instant::now();
+            // Free the published table before building the next one: at 100k sockets two
+            // tables would double the daemon's memory. GET /v1/sockets waits for the new one.
+            {
+                let mut p = self.state.write();
+                p.table = Vec::new();
+                p.table_pending = true;
+            }
             let (table, counters, programs) = match self.scan().await {
                 Ok(v) => v,
                 Err(e) => {
                     metrics.scan_errors.inc();
                     tracing::error!(error = %e, "scan failed");
-                    self.state.write().last_scan_error = Some(e);
+                    {
+                        let mut p = self.state.write();
+                        p.last_scan_error = Some(e);
+                        p.table_pending = false;
+                    }
+                    self.state.table_ready.notify_waiters();
                     continue;
                 }
             };
@@ -306,7 +318,9 @@ impl Loop {
             self.reclaim_rounds(&table, &quotas);
             let first = {
                 let mut p = self.state.write();
+                p.sockets = table.len();
                 p.table = table;
+                p.table_pending = false;
                 p.alerts = update.current;
                 p.quotas = quotas;
                 p.last_scan = Some(Instant::now());
@@ -315,6 +329,7 @@ impl Loop {
                 p.webhook_queued = self.state.webhooks.queued();
                 p.scans == 1
             };
+            self.state.table_ready.notify_waiters();
             metrics.scan_duration.observe(t0.elapsed().as_secs_f64());
             if first {
                 let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
@@ -377,6 +392,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         metrics,
         cfg: cfg.clone(),
         started: Instant::now(),
+        table_ready: tokio::sync::Notify::new(),
         scanner: Arc::new(Mutex::new(scanner)),
         reclaimer: Arc::new(Mutex::new(reclaimer)),
         token,

@@ -79,11 +79,7 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
     let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
     let table = scanner.scan()?;
     let mut selected: Vec<&table::Socket> = table.iter().filter(|s| filter.matches(s)).collect();
-    selected.sort_by(|a, b| {
-        (a.comm(), a.pid(), a.service_port, a.state)
-            .cmp(&(b.comm(), b.pid(), b.service_port, b.state))
-            .then(b.age.cmp(&a.age))
-    });
+    snapshot::sort_for_display(&mut selected);
     let groups = snapshot::summarize(
         &selected,
         filter.idle_min.unwrap_or(Duration::from_secs(30)),
@@ -102,7 +98,7 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
         };
         // Streamed, compact: no intermediate JSON tree for 100k sockets.
         let mut w = std::io::BufWriter::new(std::io::stdout().lock());
-        serde_json::to_writer(&mut w, &out)?;
+        snapshot::to_json_writer(&mut w, &out)?;
         std::io::Write::write_all(&mut w, b"\n")?;
         std::io::Write::flush(&mut w)?;
     } else {

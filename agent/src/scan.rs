@@ -1,9 +1,12 @@
 //! One scan: run both iterators and merge them into the socket table.
-use std::{collections::HashMap, fs};
+use std::{
+    collections::{HashMap, HashSet},
+    fs,
+};
 
 use crate::{
     kernel::{Kernel, KernelError},
-    table::{self, FirstSeen, Socket},
+    table::{self, FirstSeen, Holders, Socket, TableBuilder},
 };
 
 pub struct Scanner {
@@ -11,6 +14,8 @@ pub struct Scanner {
     host: table::HostInfo,
     first_seen: FirstSeen,
     units: HashMap<u32, Option<String>>,
+    /// Size of the previous table, to size the next one.
+    last_len: usize,
 }
 
 impl Scanner {
@@ -28,15 +33,19 @@ impl Scanner {
             kernel,
             first_seen: FirstSeen::default(),
             units: HashMap::new(),
+            last_len: 0,
         }
     }
 
     pub fn scan(&mut self) -> Result<Vec<Socket>, KernelError> {
-        let socks = self.kernel.dump_sockets()?;
-        let owners = self.kernel.dump_owners()?;
-        self.first_seen.update(&socks);
+        // Socket records become table rows as they are read; the owner dump follows (so a
+        // socket seen has had the time to get its owner, as before).
+        let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len);
+        self.kernel.for_each_socket(|r| b.push(&r))?;
+        let mut holders = Holders::default();
+        self.kernel.for_each_owner(|o| holders.push(&o))?;
         // Forget units of pids that hold no socket any more (pids get reused).
-        let live: std::collections::HashSet<u32> = owners.iter().map(|o| o.tgid).collect();
+        let live: HashSet<u32> = holders.pids().collect();
         self.units.retain(|pid, _| live.contains(pid));
         let units = &mut self.units;
         let mut unit_of = |pid: u32| {
@@ -49,12 +58,8 @@ impl Scanner {
                 })
                 .clone()
         };
-        Ok(table::build(
-            &socks,
-            &owners,
-            &self.host,
-            &self.first_seen,
-            &mut unit_of,
-        ))
+        let table = b.finish(holders, &mut unit_of);
+        self.last_len = table.len();
+        Ok(table)
     }
 }

@@ -1,5 +1,9 @@
 //! Filters, grouping and rendering of the socket table (`connreap snapshot`, `GET /v1/sockets`).
-use std::{collections::HashMap, fmt::Write as _, time::Duration};
+use std::{
+    collections::{HashMap, HashSet},
+    fmt::Write as _,
+    time::Duration,
+};
 
 use serde::{Deserialize, Serialize};
 
@@ -142,6 +146,82 @@ pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
     v
 }
 
+/// Display order: by owner (command name, then pid), service port and state, oldest first;
+/// stable. Owners are ranked once, so the sort compares integers, not strings.
+pub fn sort_for_display(socks: &mut [&Socket]) {
+    // Owner identity: the shared allocation (one per process; 0 for no owner).
+    let id = |s: &Socket| {
+        s.owner
+            .as_ref()
+            .map_or(0, |o| std::sync::Arc::as_ptr(o) as usize)
+    };
+    let mut seen = HashSet::new();
+    let mut owners: Vec<(&str, Option<u32>, usize)> = Vec::new();
+    for s in socks.iter() {
+        if seen.insert(id(s)) {
+            owners.push((s.comm(), s.pid(), id(s)));
+        }
+    }
+    owners.sort_unstable();
+    // Equal (comm, pid) get equal ranks.
+    let mut rank: HashMap<usize, usize> = HashMap::with_capacity(owners.len());
+    let mut r = 0;
+    for (i, o) in owners.iter().enumerate() {
+        if i > 0 && (owners[i - 1].0, owners[i - 1].1) != (o.0, o.1) {
+            r += 1;
+        }
+        rank.insert(o.2, r);
+    }
+    socks.sort_by_cached_key(|s| {
+        (
+            rank.get(&id(s)).copied().unwrap_or(0),
+            s.service_port,
+            s.state,
+            std::cmp::Reverse(s.age),
+        )
+    });
+}
+
+/// serde_json's compact output, except that non-negative numbers with at most three decimals
+/// below 1e9 (every seconds figure) are printed from integers: the same text as serde_json's
+/// shortest round-trip float formatting, at a fraction of its cost.
+struct SecsFormatter;
+
+impl serde_json::ser::Formatter for SecsFormatter {
+    fn write_f64<W: ?Sized + std::io::Write>(&mut self, w: &mut W, v: f64) -> std::io::Result<()> {
+        let ms = (v * 1000.0).round();
+        if !(0.0..1e12).contains(&ms) || ms / 1000.0 != v {
+            return serde_json::ser::CompactFormatter.write_f64(w, v);
+        }
+        let ms = ms as u64;
+        w.write_all(itoa::Buffer::new().format(ms / 1000).as_bytes())?;
+        let frac = ms % 1000;
+        let digits = [
+            b'.',
+            b'0' + (frac / 100) as u8,
+            b'0' + (frac / 10 % 10) as u8,
+            b'0' + (frac % 10) as u8,
+        ];
+        // At least one decimal ("2.0"), trailing zeros dropped ("2.5", not "2.500").
+        let keep = if frac.is_multiple_of(100) {
+            2
+        } else if frac.is_multiple_of(10) {
+            3
+        } else {
+            4
+        };
+        w.write_all(&digits[..keep])
+    }
+}
+
+/// Write `v` as compact JSON (same text as `serde_json::to_writer`, faster for seconds).
+pub fn to_json_writer<W: std::io::Write, T: Serialize>(w: W, v: &T) -> serde_json::Result<()> {
+    v.serialize(&mut serde_json::Serializer::with_formatter(
+        w,
+        SecsFormatter,
+    ))
+}
+
 /// Compact human duration: 850ms, 42s, 3m12s, 2h05m, 3d04h.
 pub fn human(d: Duration) -> String {
     let s = d.as_secs();
@@ -235,31 +315,25 @@ mod tests {
     use crate::table::{Direction, Owner};
 
     fn sock(pid: u32, comm: &str, state: TcpState, port: u16, age: u64, idle: u64) -> Socket {
-        Socket {
-            skaddr: 1,
-            inode: 1,
-            cookie: 1,
-            local: "127.0.0.1:45000".parse().unwrap(),
-            peer: format!("127.0.0.1:{port}").parse().unwrap(),
+        let mut s = Socket::new(
+            "127.0.0.1:45000".parse().unwrap(),
+            format!("127.0.0.1:{port}").parse().unwrap(),
             state,
-            age: Duration::from_secs(age),
-            age_exact: true,
-            idle: Some(Duration::from_secs(idle)),
-            last_recv: None,
-            last_send: None,
-            rx_queue: 0,
-            tx_queue: 0,
-            uid: 0,
-            direction: Direction::Outbound,
-            service_port: port,
-            owner: Some(Owner {
-                pid,
-                comm: comm.into(),
-                fd: 3,
-                unit: None,
-            }),
-            shared_with: vec![],
-        }
+        );
+        s.skaddr = 1;
+        s.inode = 1;
+        s.cookie = 1;
+        s.age = Duration::from_secs(age);
+        s.idle = Some(Duration::from_secs(idle));
+        s.direction = Direction::Outbound;
+        s.service_port = port;
+        s.owner = Some(std::sync::Arc::new(Owner {
+            pid,
+            comm: comm.into(),
+            unit: None,
+        }));
+        s.fd = 3;
+        s
     }
 
     #[test]
@@ -328,6 +402,52 @@ mod tests {
             text.contains("3  java (pid 10) port 80 CLOSE_WAIT, oldest 1m42s"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn display_order_matches_the_plain_comparison() {
+        let mut all = Vec::new();
+        for i in 0..60u64 {
+            let (pid, comm) = [(10, "java"), (20, "node"), (5, "node"), (7, "?x")][i as usize % 4];
+            let st = [TcpState::CloseWait, TcpState::Established][(i / 4) as usize % 2];
+            let mut s = sock(pid, comm, st, 80 + (i % 3) as u16, i % 7, 0);
+            s.inode = i;
+            if i % 11 == 0 {
+                s.owner = None;
+            }
+            all.push(s);
+        }
+        let mut fast: Vec<&Socket> = all.iter().collect();
+        let mut plain = fast.clone();
+        sort_for_display(&mut fast);
+        plain.sort_by(|a, b| {
+            (a.comm(), a.pid(), a.service_port, a.state)
+                .cmp(&(b.comm(), b.pid(), b.service_port, b.state))
+                .then(b.age.cmp(&a.age))
+        });
+        let inodes = |v: &[&Socket]| v.iter().map(|s| s.inode).collect::<Vec<_>>();
+        assert_eq!(inodes(&fast), inodes(&plain));
+    }
+
+    #[test]
+    fn seconds_print_like_serde_json() {
+        let mut values: Vec<f64> = (0..200_000u64).map(|ms| ms as f64 / 1000.0).collect();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        for _ in 0..200_000 {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            values.push((x % 1_000_000_000_000) as f64 / 1000.0);
+        }
+        values.extend([1e9, 1e12, 1.5e15, 0.0005, 1.0 / 3.0, 123.456_789, f64::MAX]);
+        for v in values {
+            let mut fast = Vec::new();
+            to_json_writer(&mut fast, &v).unwrap();
+            assert_eq!(
+                String::from_utf8(fast).unwrap(),
+                serde_json::to_string(&v).unwrap()
+            );
+        }
     }
 
     #[test]

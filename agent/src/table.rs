@@ -1,16 +1,20 @@
 //! The socket table: kernel records (sockets + owners) merged into plain `Socket` values with
 //! ages, idle times, owners and service ports. Pure functions only; no kernel access.
+mod build;
+
 use std::{
-    collections::{HashMap, HashSet},
+    collections::HashSet,
     fmt,
-    net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr},
+    net::{IpAddr, SocketAddr},
     str::FromStr,
     sync::Arc,
     time::Duration,
 };
 
-use connreap_ebpf::{sock_flags, tcp_state, OwnerRecord, SockRecord, AF_INET};
+use connreap_ebpf::tcp_state;
 use serde::{Serialize, Serializer};
+
+pub use build::{FirstSeen, Holders, TableBuilder};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum TcpState {
@@ -112,70 +116,185 @@ pub enum Direction {
     Outbound,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+/// The process owning sockets: one allocation per process, shared by all its sockets.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner {
     pub pid: u32,
-    /// Shared by every socket of the process (one allocation per process, not per socket).
     pub comm: Arc<str>,
-    pub fd: u32,
     /// systemd unit (or cgroup path) from /proc/<pid>/cgroup.
     pub unit: Option<Arc<str>>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Socket {
-    /// Kernel socket address: identity while the socket lives.
-    #[serde(skip)]
-    pub skaddr: u64,
-    pub inode: u64,
-    /// The kernel's socket cookie; null until something asked the kernel for it.
-    #[serde(serialize_with = "nonzero")]
-    pub cookie: u64,
-    pub local: SocketAddr,
-    pub peer: SocketAddr,
-    pub state: TcpState,
-    /// Time in the current state: exact when `age_exact`, otherwise a lower bound.
-    #[serde(rename = "age_secs", serialize_with = "secs")]
-    pub age: Duration,
-    pub age_exact: bool,
-    /// Time since data was last sent or received (None for TIME_WAIT / request sockets).
-    #[serde(rename = "idle_secs", serialize_with = "opt_secs")]
-    pub idle: Option<Duration>,
-    #[serde(rename = "last_recv_secs", serialize_with = "opt_secs")]
-    pub last_recv: Option<Duration>,
-    #[serde(rename = "last_send_secs", serialize_with = "opt_secs")]
-    pub last_send: Option<Duration>,
-    pub rx_queue: u32,
-    pub tx_queue: u32,
-    pub uid: u32,
-    pub direction: Direction,
-    pub service_port: u16,
-    #[serde(flatten)]
-    pub owner: Option<Owner>,
-    /// Other processes holding the same socket (e.g. after fork).
-    #[serde(skip_serializing_if = "Vec::is_empty")]
-    pub shared_with: Vec<u32>,
+/// An IP address and port: what `SocketAddr` prints, in 20 bytes instead of 32 (no IPv6
+/// flow info or scope id, which kernel socket records do not carry).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Endpoint {
+    ip: IpAddr,
+    port: u16,
 }
 
-fn nonzero<S: Serializer>(v: &u64, s: S) -> Result<S::Ok, S::Error> {
-    match v {
-        0 => s.serialize_none(),
-        v => s.serialize_u64(*v),
+impl Endpoint {
+    pub fn new(ip: IpAddr, port: u16) -> Self {
+        Endpoint { ip, port }
+    }
+    pub fn ip(&self) -> IpAddr {
+        self.ip
+    }
+    pub fn port(&self) -> u16 {
+        self.port
     }
 }
 
-fn secs<S: Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
+impl From<SocketAddr> for Endpoint {
+    fn from(a: SocketAddr) -> Self {
+        Endpoint::new(a.ip(), a.port())
+    }
 }
 
-fn opt_secs<S: Serializer>(d: &Option<Duration>, s: S) -> Result<S::Ok, S::Error> {
-    match d {
-        Some(d) => secs(d, s),
-        None => s.serialize_none(),
+impl From<Endpoint> for SocketAddr {
+    fn from(e: Endpoint) -> Self {
+        SocketAddr::new(e.ip, e.port)
+    }
+}
+
+impl fmt::Display for Endpoint {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        SocketAddr::from(*self).fmt(f)
+    }
+}
+
+impl FromStr for Endpoint {
+    type Err = std::net::AddrParseError;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        s.parse::<SocketAddr>().map(Endpoint::from)
+    }
+}
+
+impl Serialize for Endpoint {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        match self.ip {
+            // "a.b.c.d:port" without core::fmt: the common case, hot in snapshot output.
+            IpAddr::V4(ip) => {
+                let mut buf = [0u8; 21];
+                let mut n = 0;
+                let mut put = |b: &[u8]| {
+                    buf[n..n + b.len()].copy_from_slice(b);
+                    n += b.len();
+                };
+                for (i, o) in ip.octets().into_iter().enumerate() {
+                    if i > 0 {
+                        put(b".");
+                    }
+                    put(itoa::Buffer::new().format(o).as_bytes());
+                }
+                put(b":");
+                put(itoa::Buffer::new().format(self.port).as_bytes());
+                s.serialize_str(std::str::from_utf8(&buf[..n]).unwrap_or_default())
+            }
+            IpAddr::V6(_) => s.collect_str(self),
+        }
+    }
+}
+
+/// Marks an absent millisecond figure in [`Socket`].
+const NO_MS: u64 = u64::MAX;
+
+/// One socket of the table. Kept compact (the daemon holds one per socket of the namespace):
+/// process facts are shared through `owner`, addresses are [`Endpoint`]s.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Socket {
+    /// Kernel socket address: identity while the socket lives.
+    pub skaddr: u64,
+    pub inode: u64,
+    /// The kernel's socket cookie; 0 until something asked the kernel for it.
+    pub cookie: u64,
+    /// Time in the current state: exact when `age_exact`, otherwise a lower bound.
+    pub age: Duration,
+    /// Time since data was last sent or received (None for TIME_WAIT / request sockets).
+    pub idle: Option<Duration>,
+    last_recv_ms: u64,
+    last_send_ms: u64,
+    pub owner: Option<Arc<Owner>>,
+    /// Other processes holding the same socket (e.g. after fork).
+    pub shared_with: Box<[u32]>,
+    pub local: Endpoint,
+    pub peer: Endpoint,
+    pub rx_queue: u32,
+    pub tx_queue: u32,
+    pub uid: u32,
+    /// The owner's file descriptor (0 without an owner).
+    pub fd: u32,
+    pub service_port: u16,
+    pub state: TcpState,
+    pub direction: Direction,
+    pub age_exact: bool,
+}
+
+fn round_secs(d: Duration) -> f64 {
+    (d.as_secs_f64() * 1000.0).round() / 1000.0
+}
+
+fn opt_ms(ms: u64) -> Option<Duration> {
+    (ms != NO_MS).then(|| Duration::from_millis(ms))
+}
+
+impl Serialize for Socket {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap as _;
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("inode", &self.inode)?;
+        m.serialize_entry("cookie", &(self.cookie != 0).then_some(self.cookie))?;
+        m.serialize_entry("local", &self.local)?;
+        m.serialize_entry("peer", &self.peer)?;
+        m.serialize_entry("state", &self.state)?;
+        m.serialize_entry("age_secs", &round_secs(self.age))?;
+        m.serialize_entry("age_exact", &self.age_exact)?;
+        m.serialize_entry("idle_secs", &self.idle.map(round_secs))?;
+        m.serialize_entry("last_recv_secs", &self.last_recv().map(round_secs))?;
+        m.serialize_entry("last_send_secs", &self.last_send().map(round_secs))?;
+        m.serialize_entry("rx_queue", &self.rx_queue)?;
+        m.serialize_entry("tx_queue", &self.tx_queue)?;
+        m.serialize_entry("uid", &self.uid)?;
+        m.serialize_entry("direction", &self.direction)?;
+        m.serialize_entry("service_port", &self.service_port)?;
+        if let Some(o) = &self.owner {
+            m.serialize_entry("pid", &o.pid)?;
+            m.serialize_entry("comm", &*o.comm)?;
+            m.serialize_entry("fd", &self.fd)?;
+            m.serialize_entry("unit", &o.unit.as_deref())?;
+        }
+        if !self.shared_with.is_empty() {
+            m.serialize_entry("shared_with", &self.shared_with)?;
+        }
+        m.end()
     }
 }
 
 impl Socket {
+    /// A socket with no owner, no timers and a zero age (tests and fixtures fill in the rest).
+    pub fn new(local: Endpoint, peer: Endpoint, state: TcpState) -> Self {
+        Socket {
+            skaddr: 0,
+            inode: 0,
+            cookie: 0,
+            age: Duration::ZERO,
+            idle: None,
+            last_recv_ms: NO_MS,
+            last_send_ms: NO_MS,
+            owner: None,
+            shared_with: Box::default(),
+            local,
+            peer,
+            rx_queue: 0,
+            tx_queue: 0,
+            uid: 0,
+            fd: 0,
+            service_port: 0,
+            state,
+            direction: Direction::Outbound,
+            age_exact: true,
+        }
+    }
     pub fn pid(&self) -> Option<u32> {
         self.owner.as_ref().map(|o| o.pid)
     }
@@ -190,49 +309,19 @@ impl Socket {
     pub fn queues_empty(&self) -> bool {
         self.rx_queue == 0 && self.tx_queue == 0
     }
-}
-
-/// Remembers when the agent first saw each socket, for lower bounds on ages it cannot know.
-#[derive(Debug, Default)]
-pub struct FirstSeen {
-    seen: HashMap<(u64, u64), u64>,
-}
-
-impl FirstSeen {
-    /// Record `now_ns` for new sockets, forget vanished ones; returns first-seen per socket.
-    pub fn update(&mut self, socks: &[SockRecord]) {
-        let mut next = HashMap::with_capacity(socks.len());
-        for s in socks {
-            let key = (s.skaddr, s.inode);
-            let t = self.seen.get(&key).copied().unwrap_or(s.now_ns);
-            next.insert(key, t);
-        }
-        self.seen = next;
+    /// Time since data was last received.
+    pub fn last_recv(&self) -> Option<Duration> {
+        opt_ms(self.last_recv_ms)
     }
-    pub fn get(&self, s: &SockRecord) -> u64 {
-        self.seen
-            .get(&(s.skaddr, s.inode))
-            .copied()
-            .unwrap_or(s.now_ns)
+    /// Time since data was last sent.
+    pub fn last_send(&self) -> Option<Duration> {
+        opt_ms(self.last_send_ms)
     }
-}
-
-fn addr(family: u16, raw: &[u8; 16], port: u16) -> SocketAddr {
-    let ip = if family == AF_INET {
-        IpAddr::V4(Ipv4Addr::new(raw[0], raw[1], raw[2], raw[3]))
-    } else {
-        IpAddr::V6(Ipv6Addr::from(*raw))
-    };
-    SocketAddr::new(ip, port)
-}
-
-fn comm_str(raw: &[u8; 16]) -> String {
-    let end = raw.iter().position(|b| *b == 0).unwrap_or(raw.len());
-    String::from_utf8_lossy(&raw[..end]).into_owned()
 }
 
 /// IPv4-mapped IPv6 and plain IPv4 name the same endpoint (JVMs open AF_INET6 sockets).
-pub fn canon(a: SocketAddr) -> SocketAddr {
+pub fn canon(a: impl Into<SocketAddr>) -> SocketAddr {
+    let a = a.into();
     SocketAddr::new(a.ip().to_canonical(), a.port())
 }
 
@@ -284,103 +373,6 @@ pub fn classify(
     }
 }
 
-/// Build the table. `unit_of` maps a pid to its systemd unit.
-pub fn build(
-    socks: &[SockRecord],
-    owners: &[OwnerRecord],
-    host: &HostInfo,
-    first_seen: &FirstSeen,
-    unit_of: &mut dyn FnMut(u32) -> Option<String>,
-) -> Vec<Socket> {
-    // Holders of each socket: one sorted copy and an index of ranges (no per-socket Vec).
-    let mut sorted: Vec<&OwnerRecord> = owners.iter().collect();
-    sorted.sort_unstable_by_key(|o| (o.skaddr, o.tgid, o.fd));
-    sorted.dedup_by_key(|o| (o.skaddr, o.tgid));
-    let mut by_sk: HashMap<u64, (usize, usize)> = HashMap::with_capacity(sorted.len());
-    for (i, o) in sorted.iter().enumerate() {
-        by_sk.entry(o.skaddr).or_insert((i, i)).1 = i + 1;
-    }
-    let listening: HashSet<u16> = socks
-        .iter()
-        .filter(|s| s.state == tcp_state::LISTEN)
-        .map(|s| s.sport)
-        .collect();
-    let jiffies = |j: u32| Duration::from_millis(j as u64 * 1000 / host.hz.max(1) as u64);
-    // Per process: comm and unit, allocated once.
-    let mut procs: HashMap<u32, (Arc<str>, Option<Arc<str>>)> = HashMap::new();
-
-    socks
-        .iter()
-        .filter_map(|s| {
-            let state = TcpState::from_kernel(s.state)?;
-            let full = s.flags & sock_flags::FULL != 0;
-            let (last_recv, last_send) = if full && state != TcpState::Listen {
-                (
-                    Some(jiffies(s.last_rcv_jiffies)),
-                    Some(jiffies(s.last_snd_jiffies)),
-                )
-            } else {
-                (None, None)
-            };
-            let (age, age_exact) = if s.flags & sock_flags::SINCE_KNOWN != 0 {
-                (
-                    Duration::from_nanos(s.now_ns.saturating_sub(s.state_since_ns)),
-                    true,
-                )
-            } else {
-                let mut bound = Duration::from_nanos(s.now_ns.saturating_sub(first_seen.get(s)));
-                // In CLOSE_WAIT the peer's FIN (an ACK) arrived when the state was entered, and
-                // the peer can only ACK since: time since the last ACK bounds the age from below.
-                if state == TcpState::CloseWait && full {
-                    bound = bound.max(jiffies(s.last_ack_jiffies));
-                }
-                (bound, false)
-            };
-            let (direction, service_port) = if state == TcpState::Listen {
-                (Direction::Listen, s.sport)
-            } else {
-                classify(s.sport, s.dport, &listening, &host.ephemeral)
-            };
-            let holders: &[&OwnerRecord] = by_sk
-                .get(&s.skaddr)
-                .map(|&(a, b)| &sorted[a..b])
-                .unwrap_or(&[]);
-            let owner = holders.first().map(|o| {
-                let (comm, unit) = procs
-                    .entry(o.tgid)
-                    .or_insert_with(|| (comm_str(&o.comm).into(), unit_of(o.tgid).map(Arc::from)))
-                    .clone();
-                Owner {
-                    pid: o.tgid,
-                    comm,
-                    fd: o.fd,
-                    unit,
-                }
-            });
-            Some(Socket {
-                skaddr: s.skaddr,
-                inode: s.inode,
-                cookie: s.cookie,
-                local: addr(s.family, &s.saddr, s.sport),
-                peer: addr(s.family, &s.daddr, s.dport),
-                state,
-                age,
-                age_exact,
-                idle: last_recv.zip(last_send).map(|(r, w)| r.min(w)),
-                last_recv,
-                last_send,
-                rx_queue: s.rx_queue,
-                tx_queue: s.tx_queue,
-                uid: s.uid,
-                direction,
-                service_port,
-                owner,
-                shared_with: holders.iter().skip(1).map(|o| o.tgid).collect(),
-            })
-        })
-        .collect()
-}
-
 /// systemd unit from the contents of /proc/<pid>/cgroup: the last `.service`/`.scope` path
 /// component, else the cgroup path itself (None for the root cgroup).
 pub fn unit_from_cgroup(contents: &str) -> Option<String> {
@@ -406,133 +398,23 @@ pub fn unit_from_cgroup(contents: &str) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use connreap_ebpf::AF_INET6;
 
-    fn rec(skaddr: u64, state: u8, sport: u16, dport: u16) -> SockRecord {
-        let mut r = SockRecord {
-            skaddr,
-            inode: skaddr + 1000,
-            family: AF_INET,
-            state,
-            sport,
-            dport,
-            flags: sock_flags::FULL,
-            now_ns: 100_000_000_000,
-            ..Default::default()
-        };
-        r.saddr[..4].copy_from_slice(&[127, 0, 0, 1]);
-        r.daddr[..4].copy_from_slice(&[127, 0, 0, 1]);
-        r
-    }
-
-    fn owner(skaddr: u64, tgid: u32, comm: &str) -> OwnerRecord {
-        let mut c = [0u8; 16];
-        c[..comm.len()].copy_from_slice(comm.as_bytes());
-        OwnerRecord {
-            skaddr,
-            tgid,
-            fd: 3,
-            comm: c,
+    #[test]
+    fn endpoints_serialize_as_socket_addresses() {
+        for a in [
+            "0.0.0.0:0",
+            "1.2.3.4:5",
+            "127.0.0.1:8080",
+            "255.255.255.255:65535",
+            "10.0.16.36:443",
+            "[::1]:45000",
+            "[::ffff:10.0.16.36]:8080",
+        ] {
+            let sa: SocketAddr = a.parse().unwrap();
+            let e = Endpoint::from(sa);
+            assert_eq!(serde_json::to_string(&e).unwrap(), format!("\"{sa}\""));
+            assert_eq!(e.to_string(), a);
         }
-    }
-
-    #[test]
-    fn merges_owner_age_idle_and_service_port() {
-        let mut listen = rec(1, tcp_state::LISTEN, 8080, 0);
-        listen.flags = sock_flags::FULL;
-        let mut accepted = rec(2, tcp_state::CLOSE_WAIT, 8080, 40000);
-        accepted.flags |= sock_flags::SINCE_KNOWN;
-        accepted.state_since_ns = 40_000_000_000;
-        accepted.last_rcv_jiffies = 2500; // 10 s at HZ=250
-        accepted.last_snd_jiffies = 500; // 2 s
-        let client = rec(3, tcp_state::FIN_WAIT2, 40000, 8080);
-        let owners = [
-            owner(2, 77, "java"),
-            owner(2, 99, "java"),
-            owner(1, 77, "java"),
-        ];
-        let mut fs = FirstSeen::default();
-        fs.update(&[listen, accepted, client]);
-        let t = build(
-            &[listen, accepted, client],
-            &owners,
-            &HostInfo::default(),
-            &fs,
-            &mut |_| Some("gw.service".into()),
-        );
-        let cw = t.iter().find(|s| s.state == TcpState::CloseWait).unwrap();
-        assert_eq!(cw.age, Duration::from_secs(60));
-        assert!(cw.age_exact);
-        assert_eq!(cw.idle, Some(Duration::from_secs(2)));
-        assert_eq!(cw.direction, Direction::Inbound);
-        assert_eq!(cw.service_port, 8080);
-        let o = cw.owner.as_ref().unwrap();
-        assert_eq!(
-            (o.pid, &*o.comm, o.unit.as_deref()),
-            (77, "java", Some("gw.service"))
-        );
-        assert_eq!(cw.shared_with, vec![99]);
-        let fw = t.iter().find(|s| s.state == TcpState::FinWait2).unwrap();
-        assert_eq!((fw.direction, fw.service_port), (Direction::Outbound, 8080));
-        assert!(fw.owner.is_none());
-        assert!(!fw.age_exact);
-    }
-
-    #[test]
-    fn unknown_close_wait_age_is_bounded_by_last_ack() {
-        let mut cw = rec(5, tcp_state::CLOSE_WAIT, 45000, 80);
-        cw.last_ack_jiffies = 3000; // 12 s at 250 Hz
-        let mut fs = FirstSeen::default();
-        fs.update(&[cw]);
-        let t = build(&[cw], &[], &HostInfo::default(), &fs, &mut |_| None);
-        assert_eq!(t[0].age, Duration::from_secs(12));
-        assert!(!t[0].age_exact);
-        assert_eq!(
-            (t[0].direction, t[0].service_port),
-            (Direction::Outbound, 80)
-        );
-    }
-
-    #[test]
-    fn first_seen_bound_grows_across_scans() {
-        let mut s = rec(9, tcp_state::ESTABLISHED, 45000, 443);
-        let mut fs = FirstSeen::default();
-        fs.update(&[s]);
-        s.now_ns += 5_000_000_000;
-        fs.update(&[s]);
-        let t = build(&[s], &[], &HostInfo::default(), &fs, &mut |_| None);
-        assert_eq!(t[0].age, Duration::from_secs(5));
-    }
-
-    #[test]
-    fn decodes_ipv6_and_mapped_addresses() {
-        let mut s = rec(4, tcp_state::ESTABLISHED, 45000, 8080);
-        s.family = AF_INET6;
-        s.saddr = Ipv6Addr::LOCALHOST.octets();
-        s.daddr = Ipv4Addr::new(10, 0, 16, 36).to_ipv6_mapped().octets();
-        let t = build(
-            &[s],
-            &[],
-            &HostInfo::default(),
-            &FirstSeen::default(),
-            &mut |_| None,
-        );
-        assert_eq!(t[0].local.to_string(), "[::1]:45000");
-        assert_eq!(t[0].peer.to_string(), "[::ffff:10.0.16.36]:8080");
-    }
-
-    #[test]
-    fn time_wait_has_no_idle() {
-        let mut s = rec(6, tcp_state::TIME_WAIT, 45000, 80);
-        s.flags = 0;
-        let t = build(
-            &[s],
-            &[],
-            &HostInfo::default(),
-            &FirstSeen::default(),
-            &mut |_| None,
-        );
-        assert_eq!(t[0].idle, None);
     }
 
     #[test]

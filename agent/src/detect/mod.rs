@@ -221,41 +221,30 @@ pub(crate) fn testutil_finding(kind: Kind, key: &str) -> Finding {
 
 #[cfg(test)]
 pub(crate) mod testutil {
-    use std::time::Duration;
+    use std::{sync::Arc, time::Duration};
 
-    use crate::table::{Direction, Owner, Socket, TcpState};
+    use crate::table::{Direction, Endpoint, Owner, Socket, TcpState};
 
     pub fn sock(pid: u32, comm: &str, local: &str, peer: &str, state: TcpState) -> Socket {
-        let local: std::net::SocketAddr = local.parse().unwrap();
-        let peer: std::net::SocketAddr = peer.parse().unwrap();
-        Socket {
-            skaddr: (pid as u64) << 20 | local.port() as u64,
-            inode: local.port() as u64,
-            cookie: 0,
-            local,
-            peer,
-            state,
-            age: Duration::from_secs(600),
-            age_exact: true,
-            idle: Some(Duration::from_secs(600)),
-            last_recv: None,
-            last_send: None,
-            rx_queue: 0,
-            tx_queue: 0,
-            uid: 0,
-            direction: if local.port() < peer.port() {
-                Direction::Inbound
-            } else {
-                Direction::Outbound
-            },
-            service_port: local.port().min(peer.port()),
-            owner: Some(Owner {
-                pid,
-                comm: comm.into(),
-                fd: 3,
-                unit: None,
-            }),
-            shared_with: vec![],
-        }
+        let local: Endpoint = local.parse().unwrap();
+        let peer: Endpoint = peer.parse().unwrap();
+        let mut s = Socket::new(local, peer, state);
+        s.skaddr = (pid as u64) << 20 | local.port() as u64;
+        s.inode = local.port() as u64;
+        s.age = Duration::from_secs(600);
+        s.idle = Some(Duration::from_secs(600));
+        s.direction = if local.port() < peer.port() {
+            Direction::Inbound
+        } else {
+            Direction::Outbound
+        };
+        s.service_port = local.port().min(peer.port());
+        s.owner = Some(Arc::new(Owner {
+            pid,
+            comm: comm.into(),
+            unit: None,
+        }));
+        s.fd = 3;
+        s
     }
 }

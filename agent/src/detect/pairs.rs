@@ -24,15 +24,20 @@ impl Pair<'_> {
     }
 }
 
-/// Pairs of sockets on this host that are the two ends of one connection.
-pub fn local_pairs(table: &[Socket]) -> Vec<Pair<'_>> {
-    let by_tuple: HashMap<(SocketAddr, SocketAddr), &Socket> = table
-        .iter()
+/// Pairs of sockets among `socks` that are the two ends of one connection.
+pub fn local_pairs<'a, I>(socks: I) -> Vec<Pair<'a>>
+where
+    I: IntoIterator<Item = &'a Socket>,
+    I::IntoIter: Clone,
+{
+    let socks = socks.into_iter();
+    let by_tuple: HashMap<(SocketAddr, SocketAddr), &Socket> = socks
+        .clone()
         .filter(|s| s.state != TcpState::Listen)
         .map(|s| ((canon(s.local), canon(s.peer)), s))
         .collect();
     let mut out = Vec::new();
-    for s in table {
+    for s in socks {
         if s.state == TcpState::Listen || s.direction == Direction::Inbound {
             continue;
         }
@@ -55,8 +60,10 @@ fn stuck(s: &Socket, cfg: &DetectConfig) -> bool {
 }
 
 pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
+    // Both ends of a stuck pair are stuck: pair only those sockets (not the whole table).
+    let candidates = table.iter().filter(|s| stuck(s, cfg));
     let mut groups: BTreeMap<(Option<u32>, Option<u32>, u16), Vec<Pair<'_>>> = BTreeMap::new();
-    for p in local_pairs(table) {
+    for p in local_pairs(candidates) {
         if stuck(p.client, cfg) && stuck(p.server, cfg) {
             groups
                 .entry((p.client.pid(), p.server.pid(), p.service_port()))

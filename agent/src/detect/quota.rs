@@ -41,12 +41,20 @@ fn connections<'a>(
 
 pub fn detect(input: &Input<'_>) -> Vec<Finding> {
     let cfg = input.cfg;
-    let pairs = local_pairs(input.table);
-    // The other end of each local connection, to name both owners.
+    let saturated = |e: &QuotaEntry| (e.used as f64) >= cfg.quota_saturation * e.limit as f64;
+    let any_saturated = input
+        .quotas
+        .iter()
+        .filter(|s| s.error.is_none())
+        .any(|s| s.entries.iter().any(saturated));
+    // The other end of each local connection, to name both owners (only needed, and only
+    // computed, when some quota is saturated).
     let mut other_end: HashMap<u64, &Socket> = HashMap::new();
-    for p in &pairs {
-        other_end.insert(p.client.skaddr, p.server);
-        other_end.insert(p.server.skaddr, p.client);
+    if any_saturated {
+        for p in local_pairs(input.table) {
+            other_end.insert(p.client.skaddr, p.server);
+            other_end.insert(p.server.skaddr, p.client);
+        }
     }
     let mut out = Vec::new();
     for status in input.quotas.iter().filter(|s| s.error.is_none()) {
@@ -54,7 +62,7 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
             continue;
         };
         for entry in &status.entries {
-            if (entry.used as f64) < cfg.quota_saturation * entry.limit as f64 {
+            if !saturated(entry) {
                 continue;
             }
             let conns = connections(qcfg, entry, input.table);

@@ -8,9 +8,11 @@
 //! gets a new directory and the stale ones are removed, which detaches the old tracker.
 pub mod destroy;
 pub mod diag;
+mod hz;
 pub mod offsets;
 
 use std::{
+    collections::HashMap,
     fs,
     io::Read as _,
     os::fd::AsRawFd,
@@ -18,14 +20,14 @@ use std::{
 };
 
 use aya::{
-    maps::{MapData, PerCpuArray, RingBuf},
+    maps::{Map, MapData, PerCpuArray, RingBuf},
     programs::{
         links::{FdLink, LinkError, PinnedLink},
         Iter, TracePoint,
     },
     Btf, Ebpf, EbpfLoader,
 };
-use connreap_ebpf::{counter, names, KernelOffsets, OwnerRecord, SockRecord};
+use connreap_ebpf::{counter, names, OwnerRecord, SockRecord};
 
 /// The BPF object, embedded at build time (empty when `cargo xtask build-ebpf` has not run).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o"));
@@ -84,12 +86,55 @@ pub struct ProgramStats {
 }
 
 pub struct Kernel {
-    ebpf: Ebpf,
+    /// The maps userspace reads (counters, event ring), by name.
+    ebpf: Maps,
     pin_dir: PathBuf,
     iter_tcp: Iter,
     iter_files: Iter,
     /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
     pub hz: u32,
+}
+
+/// The object's maps this process uses, by name: taken from the loaded object on a first load,
+/// or opened straight from their pins when an earlier run left everything pinned (then the ELF
+/// is not parsed and `EbpfLoader::new()` never reads the kernel's BTF).
+pub(crate) struct Maps {
+    maps: HashMap<&'static str, Map>,
+}
+
+/// Wraps a pinned map's fd as the right kind of [`Map`].
+type WrapMap = fn(MapData) -> Map;
+
+/// The maps kept by [`Kernel`]: name, pin file, and how to wrap a pinned map's fd.
+const KEPT_MAPS: [(&str, &str, WrapMap); 2] = [
+    (names::COUNTERS, "counters", Map::PerCpuArray),
+    (names::EVENTS, "events", Map::RingBuf),
+];
+
+impl Maps {
+    fn from_pins(pin_dir: &Path) -> Result<Self, aya::maps::MapError> {
+        let mut maps = HashMap::new();
+        for (name, pin, wrap) in KEPT_MAPS {
+            maps.insert(name, wrap(MapData::from_pin(pin_dir.join(pin))?));
+        }
+        Ok(Maps { maps })
+    }
+
+    fn from_object(ebpf: &mut Ebpf) -> Self {
+        let maps = KEPT_MAPS
+            .iter()
+            .filter_map(|(name, _, _)| Some((*name, ebpf.take_map(name)?)))
+            .collect();
+        Maps { maps }
+    }
+
+    pub(crate) fn map(&self, name: &str) -> Option<&Map> {
+        self.maps.get(name)
+    }
+
+    pub(crate) fn take_map(&mut self, name: &str) -> Option<Map> {
+        self.maps.remove(name)
+    }
 }
 
 fn is_mounted(path: &str, fstype: &str) -> bool {
@@ -144,65 +189,6 @@ fn raise_memlock() {
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) } != 0 {
         tracing::debug!("could not raise RLIMIT_MEMLOCK (fine on kernels >= 5.11)");
     }
-}
-
-/// CONFIG_HZ from the kernel config, or measured from /proc/timer_list.
-fn kernel_hz() -> u32 {
-    if let Some(hz) = config_hz() {
-        return hz;
-    }
-    measure_hz().unwrap_or_else(|| {
-        tracing::warn!("cannot determine CONFIG_HZ; assuming 250 for idle times");
-        250
-    })
-}
-
-fn parse_config_hz(config: &str) -> Option<u32> {
-    config
-        .lines()
-        .find_map(|l| l.strip_prefix("CONFIG_HZ="))
-        .and_then(|v| v.trim().parse().ok())
-}
-
-fn config_hz() -> Option<u32> {
-    if let Ok(f) = fs::File::open("/proc/config.gz") {
-        let mut s = String::new();
-        if flate2::read::GzDecoder::new(f)
-            .read_to_string(&mut s)
-            .is_ok()
-        {
-            return parse_config_hz(&s);
-        }
-    }
-    let release = fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
-    parse_config_hz(&fs::read_to_string(format!("/boot/config-{}", release.trim())).ok()?)
-}
-
-fn measure_hz() -> Option<u32> {
-    let sample = || -> Option<(u64, u64)> {
-        let t = fs::read_to_string("/proc/timer_list").ok()?;
-        let now = t
-            .lines()
-            .find_map(|l| l.strip_prefix("now at "))?
-            .split_whitespace()
-            .next()?
-            .parse()
-            .ok()?;
-        let j = t
-            .lines()
-            .find_map(|l| l.strip_prefix("jiffies: "))?
-            .trim()
-            .parse()
-            .ok()?;
-        Some((now, j))
-    };
-    let (n0, j0) = sample()?;
-    std::thread::sleep(std::time::Duration::from_millis(200));
-    let (n1, j1) = sample()?;
-    let rate = (j1 - j0) as f64 * 1e9 / (n1.checked_sub(n0)? as f64);
-    [100u32, 250, 300, 1000]
-        .into_iter()
-        .min_by_key(|hz| (*hz as f64 - rate).abs() as u64)
 }
 
 fn object_hash(object: &[u8]) -> String {
@@ -287,17 +273,41 @@ impl Kernel {
         let pin_dir = prepare_pin_dir()?;
         let tcp_pin = pin_dir.join("iter_tcp");
         let files_pin = pin_dir.join("iter_task_file");
-        // Fast path: an earlier run left the tracker and verified iterators pinned; reuse them
-        // (no BTF parsing, no verification). Their offsets were resolved when they were loaded.
+        // Fast path: an earlier run left the tracker, its maps and verified iterators pinned;
+        // reuse them (no ELF or BTF parsing, no verification). Their offsets were resolved
+        // when they were loaded.
         let reuse = PinnedLink::from_pin(pin_dir.join("link")).is_ok()
             && tcp_pin.exists()
             && files_pin.exists();
-        let offsets = if reuse {
-            KernelOffsets::default()
+        let pinned = if reuse {
+            Maps::from_pins(&pin_dir)
+                .map_err(
+                    |e| tracing::debug!(error = %e, "pinned maps unusable; loading the object"),
+                )
+                .ok()
         } else {
-            offsets::resolve(Path::new(BTF_PATH))?
+            None
         };
+        let maps = match pinned {
+            Some(maps) => maps,
+            None => Self::load_object(&pin_dir, verbose)?,
+        };
+        let from_pin = |path: &Path, prog: &'static str| {
+            Iter::from_pin(path).map_err(|e| program_error(verbose, prog, e))
+        };
+        Ok(Kernel {
+            iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
+            iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
+            ebpf: maps,
+            pin_dir,
+            hz: hz::kernel_hz(),
+        })
+    }
 
+    /// Load the object with offsets from the kernel's BTF, attach and pin the state tracker
+    /// (unless alive), load and pin both iterators; keep the maps userspace reads.
+    fn load_object(pin_dir: &Path, verbose: bool) -> Result<Maps, KernelError> {
+        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
         let state_pin = pin_dir.join("state");
         let events_pin = pin_dir.join("events");
         let counters_pin = pin_dir.join("counters");
@@ -310,30 +320,23 @@ impl Kernel {
             .map_err(|e| KernelError::Load(full_chain(&e)))?;
 
         let mut loaded = Loaded { ebpf, verbose };
-        if !reuse {
-            loaded.attach_tracker(&pin_dir.join("link"))?;
-            let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
-            for (prog, iter_type, pin) in [
-                (names::PROG_ITER_TCP, "tcp", &tcp_pin),
-                (names::PROG_ITER_FILES, "task_file", &files_pin),
-            ] {
-                let it: &mut Iter = loaded.program(prog)?;
-                it.load(iter_type, &btf)
-                    .map_err(|e| program_error(verbose, prog, e))?;
-                let _ = fs::remove_file(pin);
-                it.pin(pin).map_err(|e| pin_error(pin, e))?;
-            }
+        loaded.attach_tracker(&pin_dir.join("link"))?;
+        let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+        for (prog, iter_type, pin) in [
+            (names::PROG_ITER_TCP, "tcp", pin_dir.join("iter_tcp")),
+            (
+                names::PROG_ITER_FILES,
+                "task_file",
+                pin_dir.join("iter_task_file"),
+            ),
+        ] {
+            let it: &mut Iter = loaded.program(prog)?;
+            it.load(iter_type, &btf)
+                .map_err(|e| program_error(verbose, prog, e))?;
+            let _ = fs::remove_file(&pin);
+            it.pin(&pin).map_err(|e| pin_error(&pin, e))?;
         }
-        let from_pin = |path: &Path, prog: &'static str| {
-            Iter::from_pin(path).map_err(|e| program_error(verbose, prog, e))
-        };
-        Ok(Kernel {
-            iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
-            iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
-            ebpf: loaded.ebpf,
-            pin_dir,
-            hz: kernel_hz(),
-        })
+        Ok(Maps::from_object(&mut loaded.ebpf))
     }
 }
 
@@ -396,26 +399,44 @@ impl Kernel {
         destroy::BpfDestroyer::load(OBJECT, &self.pin_dir, verbose)
     }
 
-    fn run_iter(it: &mut Iter, what: &'static str) -> Result<Vec<u8>, KernelError> {
+    /// Run an iterator and hand each complete record to `f` as it is read (a small reused
+    /// buffer: the dump is never held in memory as bytes).
+    fn run_iter<T: Copy + Default>(
+        it: &mut Iter,
+        what: &'static str,
+        mut f: impl FnMut(T),
+    ) -> Result<(), KernelError> {
         let err = |reason: String| KernelError::Iterate { what, reason };
         let id = it.attach().map_err(|e| err(full_chain(&e)))?;
         let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
         let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
-        let mut buf = Vec::with_capacity(1 << 20);
-        file.read_to_end(&mut buf).map_err(|e| err(e.to_string()))?;
-        Ok(buf)
+        let size = std::mem::size_of::<T>();
+        let mut buf = vec![0u8; 64 * 1024];
+        let mut filled = 0;
+        loop {
+            let n = match file.read(&mut buf[filled..]) {
+                Ok(0) => break,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(e) => return Err(err(e.to_string())),
+            };
+            filled += n;
+            let whole = filled - filled % size;
+            records::<T>(&buf[..whole]).for_each(&mut f);
+            buf.copy_within(whole..filled, 0);
+            filled -= whole;
+        }
+        Ok(())
     }
 
-    /// Every TCP socket of this network namespace.
-    pub fn dump_sockets(&mut self) -> Result<Vec<SockRecord>, KernelError> {
-        let buf = Self::run_iter(&mut self.iter_tcp, "iter/tcp")?;
-        Ok(decode_records(&buf))
+    /// Every TCP socket of this network namespace, one record at a time.
+    pub fn for_each_socket(&mut self, f: impl FnMut(SockRecord)) -> Result<(), KernelError> {
+        Self::run_iter(&mut self.iter_tcp, "iter/tcp", f)
     }
 
-    /// Every (socket, process) pair on the host.
-    pub fn dump_owners(&mut self) -> Result<Vec<OwnerRecord>, KernelError> {
-        let buf = Self::run_iter(&mut self.iter_files, "iter/task_file")?;
-        Ok(decode_records(&buf))
+    /// Every (socket, process) pair on the host, one record at a time.
+    pub fn for_each_owner(&mut self, f: impl FnMut(OwnerRecord)) -> Result<(), KernelError> {
+        Self::run_iter(&mut self.iter_files, "iter/task_file", f)
     }
 
     pub fn counters(&self) -> Result<Counters, KernelError> {
@@ -478,6 +499,17 @@ impl Kernel {
         tracing::debug!(fd = ring.as_raw_fd(), "transition ring opened");
         Ok(ring)
     }
+}
+
+/// Fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
+fn records<T: Copy + Default>(buf: &[u8]) -> impl Iterator<Item = T> + '_ {
+    let size = std::mem::size_of::<T>();
+    buf.chunks_exact(size).map(move |chunk| {
+        let mut v = T::default();
+        // SAFETY: T is a #[repr(C)] Pod record; chunk has exactly size_of::<T>() bytes.
+        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), &mut v as *mut T as *mut u8, size) };
+        v
+    })
 }
 
 /// Decode fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
@@ -558,15 +590,6 @@ mod tests {
         buf.extend_from_slice(&[1, 2, 3]);
         let recs: Vec<OwnerRecord> = decode_records(&buf);
         assert_eq!(recs, vec![a, a]);
-    }
-
-    #[test]
-    fn parses_config_hz() {
-        assert_eq!(
-            parse_config_hz("# x\nCONFIG_HZ_250=y\nCONFIG_HZ=250\n"),
-            Some(250)
-        );
-        assert_eq!(parse_config_hz("CONFIG_HZ_1000=y\n"), None);
     }
 
     #[test]

@@ -393,7 +393,7 @@ fn recheck<'a>(
 
 /// Exact lookup by 4-tuple (same inode), then SOCK_DESTROY by that cookie.
 fn kill_netlink(now: &Socket) -> KillOutcome {
-    match diag::lookup(now.local, now.peer) {
+    match diag::lookup(now.local.into(), now.peer.into()) {
         Ok(None) => (
             Outcome::Skipped,
             Some("closed before the kill".into()),
@@ -409,7 +409,7 @@ fn kill_netlink(now: &Socket) -> KillOutcome {
         ),
         Ok(Some(d)) => {
             let cookie = Some(cookie_u64(d.cookie));
-            match diag::destroy(now.local, now.peer, d.cookie) {
+            match diag::destroy(now.local.into(), now.peer.into(), d.cookie) {
                 Ok(()) => (Outcome::Killed, None, cookie),
                 Err(e) if e.errno() == Some(libc::ENOENT) => (
                     Outcome::Skipped,

@@ -1,0 +1,75 @@
+//! CONFIG_HZ (the jiffies clock rate), to turn the kernel's jiffies into durations.
+use std::{fs, io::Read as _};
+
+/// CONFIG_HZ from the kernel config, or measured from /proc/timer_list.
+pub fn kernel_hz() -> u32 {
+    if let Some(hz) = config_hz() {
+        return hz;
+    }
+    measure_hz().unwrap_or_else(|| {
+        tracing::warn!("cannot determine CONFIG_HZ; assuming 250 for idle times");
+        250
+    })
+}
+
+fn parse_config_hz(config: &str) -> Option<u32> {
+    config
+        .lines()
+        .find_map(|l| l.strip_prefix("CONFIG_HZ="))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+fn config_hz() -> Option<u32> {
+    if let Ok(f) = fs::File::open("/proc/config.gz") {
+        let mut s = String::new();
+        if flate2::read::GzDecoder::new(f)
+            .read_to_string(&mut s)
+            .is_ok()
+        {
+            return parse_config_hz(&s);
+        }
+    }
+    let release = fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
+    parse_config_hz(&fs::read_to_string(format!("/boot/config-{}", release.trim())).ok()?)
+}
+
+fn measure_hz() -> Option<u32> {
+    let sample = || -> Option<(u64, u64)> {
+        let t = fs::read_to_string("/proc/timer_list").ok()?;
+        let now = t
+            .lines()
+            .find_map(|l| l.strip_prefix("now at "))?
+            .split_whitespace()
+            .next()?
+            .parse()
+            .ok()?;
+        let j = t
+            .lines()
+            .find_map(|l| l.strip_prefix("jiffies: "))?
+            .trim()
+            .parse()
+            .ok()?;
+        Some((now, j))
+    };
+    let (n0, j0) = sample()?;
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    let (n1, j1) = sample()?;
+    let rate = (j1 - j0) as f64 * 1e9 / (n1.checked_sub(n0)? as f64);
+    [100u32, 250, 300, 1000]
+        .into_iter()
+        .min_by_key(|hz| (*hz as f64 - rate).abs() as u64)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_config_hz() {
+        assert_eq!(
+            parse_config_hz("# x\nCONFIG_HZ_250=y\nCONFIG_HZ=250\n"),
+            Some(250)
+        );
+        assert_eq!(parse_config_hz("CONFIG_HZ_1000=y\n"), None);
+    }
+}

@@ -1,0 +1,379 @@
+//! Building the table from the kernel's dumps: socket records streamed in as they are read,
+//! then owners. Pure functions only; no kernel access.
+use std::{
+    collections::{HashMap, HashSet},
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    sync::Arc,
+    time::Duration,
+};
+
+use connreap_ebpf::{sock_flags, OwnerRecord, SockRecord, AF_INET};
+
+use super::{classify, opt_ms, Direction, Endpoint, HostInfo, Owner, Socket, TcpState, NO_MS};
+
+/// Remembers when the agent first saw each socket whose age the tracker does not know, for a
+/// lower bound on it. Sockets the tracker knows are not kept: their age never needs it (the
+/// tracker keeps a socket until it closes).
+#[derive(Debug, Default)]
+pub struct FirstSeen {
+    /// (skaddr, inode, first seen ns), sorted.
+    seen: Vec<(u64, u64, u64)>,
+    next: Vec<(u64, u64, u64)>,
+}
+
+impl FirstSeen {
+    /// First-seen time of `s` (now if new), remembered for the next scan.
+    fn observe(&mut self, s: &SockRecord) -> u64 {
+        let key = (s.skaddr, s.inode);
+        let t = self
+            .seen
+            .binary_search_by(|e| (e.0, e.1).cmp(&key))
+            .map(|i| self.seen[i].2)
+            .unwrap_or(s.now_ns);
+        self.next.push((key.0, key.1, t));
+        t
+    }
+    /// End of a scan: sockets not observed in it are forgotten.
+    fn finish(&mut self) {
+        self.next.sort_unstable();
+        self.seen = std::mem::take(&mut self.next);
+    }
+}
+
+fn addr(family: u16, raw: &[u8; 16], port: u16) -> Endpoint {
+    let ip = if family == AF_INET {
+        IpAddr::V4(Ipv4Addr::new(raw[0], raw[1], raw[2], raw[3]))
+    } else {
+        IpAddr::V6(Ipv6Addr::from(*raw))
+    };
+    Endpoint::new(ip, port)
+}
+
+fn comm_str(raw: &[u8; 16]) -> String {
+    let end = raw.iter().position(|b| *b == 0).unwrap_or(raw.len());
+    String::from_utf8_lossy(&raw[..end]).into_owned()
+}
+
+/// Socket holders from the owner dump, 16 bytes each; command names are kept once per process.
+#[derive(Debug, Default)]
+pub struct Holders {
+    /// (skaddr, tgid, fd)
+    holders: Vec<(u64, u32, u32)>,
+    comms: HashMap<u32, [u8; 16]>,
+}
+
+impl Holders {
+    pub fn push(&mut self, o: &OwnerRecord) {
+        self.holders.push((o.skaddr, o.tgid, o.fd));
+        self.comms.entry(o.tgid).or_insert(o.comm);
+    }
+    pub fn pids(&self) -> impl Iterator<Item = u32> + '_ {
+        self.comms.keys().copied()
+    }
+}
+
+/// Builds the table in two steps, so a scan never holds the kernel's socket records: `push`
+/// each socket record as it is read, then `finish` with the owner dump.
+pub struct TableBuilder<'a> {
+    host: &'a HostInfo,
+    first_seen: &'a mut FirstSeen,
+    listening: HashSet<u16>,
+    table: Vec<Socket>,
+}
+
+impl<'a> TableBuilder<'a> {
+    pub fn new(host: &'a HostInfo, first_seen: &'a mut FirstSeen, capacity: usize) -> Self {
+        TableBuilder {
+            host,
+            first_seen,
+            listening: HashSet::new(),
+            table: Vec::with_capacity(capacity),
+        }
+    }
+
+    pub fn push(&mut self, s: &SockRecord) {
+        let Some(state) = TcpState::from_kernel(s.state) else {
+            return;
+        };
+        let hz = self.host.hz.max(1) as u64;
+        let jiffies = |j: u32| j as u64 * 1000 / hz;
+        let full = s.flags & sock_flags::FULL != 0;
+        let (last_recv_ms, last_send_ms) = if full && state != TcpState::Listen {
+            (jiffies(s.last_rcv_jiffies), jiffies(s.last_snd_jiffies))
+        } else {
+            (NO_MS, NO_MS)
+        };
+        let (age, age_exact) = if s.flags & sock_flags::SINCE_KNOWN != 0 {
+            (
+                Duration::from_nanos(s.now_ns.saturating_sub(s.state_since_ns)),
+                true,
+            )
+        } else {
+            let seen = self.first_seen.observe(s);
+            let mut bound = Duration::from_nanos(s.now_ns.saturating_sub(seen));
+            // In CLOSE_WAIT the peer's FIN (an ACK) arrived when the state was entered, and
+            // the peer can only ACK since: time since the last ACK bounds the age from below.
+            if state == TcpState::CloseWait && full {
+                bound = bound.max(Duration::from_millis(jiffies(s.last_ack_jiffies)));
+            }
+            (bound, false)
+        };
+        if state == TcpState::Listen {
+            self.listening.insert(s.sport);
+        }
+        let mut sock = Socket::new(
+            addr(s.family, &s.saddr, s.sport),
+            addr(s.family, &s.daddr, s.dport),
+            state,
+        );
+        sock.skaddr = s.skaddr;
+        sock.inode = s.inode;
+        sock.cookie = s.cookie;
+        sock.age = age;
+        sock.age_exact = age_exact;
+        sock.last_recv_ms = last_recv_ms;
+        sock.last_send_ms = last_send_ms;
+        sock.idle = opt_ms(last_recv_ms.min(last_send_ms));
+        sock.rx_queue = s.rx_queue;
+        sock.tx_queue = s.tx_queue;
+        sock.uid = s.uid;
+        self.table.push(sock);
+    }
+
+    /// Direction and service port (now that every listener is known) and owners.
+    /// `unit_of` maps a pid to its systemd unit.
+    pub fn finish(
+        self,
+        mut holders: Holders,
+        unit_of: &mut dyn FnMut(u32) -> Option<String>,
+    ) -> Vec<Socket> {
+        self.first_seen.finish();
+        let h = &mut holders.holders;
+        h.sort_unstable();
+        h.dedup_by_key(|o| (o.0, o.1));
+        // Per process: comm and unit, allocated once.
+        let mut procs: HashMap<u32, Arc<Owner>> = HashMap::new();
+        let mut table = self.table;
+        for s in &mut table {
+            (s.direction, s.service_port) = if s.state == TcpState::Listen {
+                (Direction::Listen, s.local.port())
+            } else {
+                classify(
+                    s.local.port(),
+                    s.peer.port(),
+                    &self.listening,
+                    &self.host.ephemeral,
+                )
+            };
+            let first = h.partition_point(|o| o.0 < s.skaddr);
+            let n = h[first..].iter().take_while(|o| o.0 == s.skaddr).count();
+            let mine = &h[first..first + n];
+            if let Some(&(_, tgid, fd)) = mine.first() {
+                let owner = procs.entry(tgid).or_insert_with(|| {
+                    let comm = holders.comms.get(&tgid).map(comm_str).unwrap_or_default();
+                    Arc::new(Owner {
+                        pid: tgid,
+                        comm: comm.into(),
+                        unit: unit_of(tgid).map(Arc::from),
+                    })
+                });
+                s.owner = Some(owner.clone());
+                s.fd = fd;
+                if n > 1 {
+                    s.shared_with = mine[1..].iter().map(|o| o.1).collect();
+                }
+            }
+        }
+        table
+    }
+}
+
+/// Build the table from whole dumps. `unit_of` maps a pid to its systemd unit.
+#[cfg(test)]
+pub fn build(
+    socks: &[SockRecord],
+    owners: &[OwnerRecord],
+    host: &HostInfo,
+    first_seen: &mut FirstSeen,
+    unit_of: &mut dyn FnMut(u32) -> Option<String>,
+) -> Vec<Socket> {
+    let mut b = TableBuilder::new(host, first_seen, socks.len());
+    for s in socks {
+        b.push(s);
+    }
+    let mut holders = Holders::default();
+    for o in owners {
+        holders.push(o);
+    }
+    b.finish(holders, unit_of)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::net::{Ipv4Addr, Ipv6Addr};
+
+    use connreap_ebpf::{tcp_state, AF_INET6};
+
+    use super::*;
+
+    fn rec(skaddr: u64, state: u8, sport: u16, dport: u16) -> SockRecord {
+        let mut r = SockRecord {
+            skaddr,
+            inode: skaddr + 1000,
+            family: AF_INET,
+            state,
+            sport,
+            dport,
+            flags: sock_flags::FULL,
+            now_ns: 100_000_000_000,
+            ..Default::default()
+        };
+        r.saddr[..4].copy_from_slice(&[127, 0, 0, 1]);
+        r.daddr[..4].copy_from_slice(&[127, 0, 0, 1]);
+        r
+    }
+
+    fn owner(skaddr: u64, tgid: u32, comm: &str) -> OwnerRecord {
+        let mut c = [0u8; 16];
+        c[..comm.len()].copy_from_slice(comm.as_bytes());
+        OwnerRecord {
+            skaddr,
+            tgid,
+            fd: 3,
+            comm: c,
+        }
+    }
+
+    #[test]
+    fn merges_owner_age_idle_and_service_port() {
+        let mut listen = rec(1, tcp_state::LISTEN, 8080, 0);
+        listen.flags = sock_flags::FULL;
+        let mut accepted = rec(2, tcp_state::CLOSE_WAIT, 8080, 40000);
+        accepted.flags |= sock_flags::SINCE_KNOWN;
+        accepted.state_since_ns = 40_000_000_000;
+        accepted.last_rcv_jiffies = 2500; // 10 s at HZ=250
+        accepted.last_snd_jiffies = 500; // 2 s
+        let client = rec(3, tcp_state::FIN_WAIT2, 40000, 8080);
+        let owners = [
+            owner(2, 77, "java"),
+            owner(2, 99, "java"),
+            owner(1, 77, "java"),
+        ];
+        let mut fs = FirstSeen::default();
+        let t = build(
+            &[listen, accepted, client],
+            &owners,
+            &HostInfo::default(),
+            &mut fs,
+            &mut |_| Some("gw.service".into()),
+        );
+        let cw = t.iter().find(|s| s.state == TcpState::CloseWait).unwrap();
+        assert_eq!(cw.age, Duration::from_secs(60));
+        assert!(cw.age_exact);
+        assert_eq!(cw.idle, Some(Duration::from_secs(2)));
+        assert_eq!(cw.direction, Direction::Inbound);
+        assert_eq!(cw.service_port, 8080);
+        let o = cw.owner.as_ref().unwrap();
+        assert_eq!(
+            (o.pid, &*o.comm, o.unit.as_deref()),
+            (77, "java", Some("gw.service"))
+        );
+        assert_eq!(cw.fd, 3);
+        assert_eq!(&*cw.shared_with, [99]);
+        let fw = t.iter().find(|s| s.state == TcpState::FinWait2).unwrap();
+        assert_eq!((fw.direction, fw.service_port), (Direction::Outbound, 8080));
+        assert!(fw.owner.is_none());
+        assert!(!fw.age_exact);
+    }
+
+    #[test]
+    fn serializes_the_documented_fields() {
+        let mut listen = rec(1, tcp_state::LISTEN, 8080, 0);
+        listen.flags = sock_flags::FULL;
+        let mut cw = rec(2, tcp_state::CLOSE_WAIT, 8080, 40000);
+        cw.flags |= sock_flags::SINCE_KNOWN;
+        cw.state_since_ns = 40_000_000_000;
+        cw.last_rcv_jiffies = 2500;
+        cw.last_snd_jiffies = 500;
+        let mut tw = rec(3, tcp_state::TIME_WAIT, 40001, 8080);
+        tw.flags = sock_flags::SINCE_KNOWN;
+        tw.state_since_ns = 99_998_000_000;
+        tw.cookie = 42;
+        let t = build(
+            &[listen, cw, tw],
+            &[owner(2, 77, "java"), owner(2, 99, "java")],
+            &HostInfo::default(),
+            &mut FirstSeen::default(),
+            &mut |_| Some("gw.service".into()),
+        );
+        assert_eq!(
+            serde_json::to_string(&t[1]).unwrap(),
+            r#"{"inode":1002,"cookie":null,"local":"127.0.0.1:8080","peer":"127.0.0.1:40000","state":"CLOSE_WAIT","age_secs":60.0,"age_exact":true,"idle_secs":2.0,"last_recv_secs":10.0,"last_send_secs":2.0,"rx_queue":0,"tx_queue":0,"uid":0,"direction":"inbound","service_port":8080,"pid":77,"comm":"java","fd":3,"unit":"gw.service","shared_with":[99]}"#
+        );
+        assert_eq!(
+            serde_json::to_string(&t[2]).unwrap(),
+            r#"{"inode":1003,"cookie":42,"local":"127.0.0.1:40001","peer":"127.0.0.1:8080","state":"TIME_WAIT","age_secs":0.002,"age_exact":true,"idle_secs":null,"last_recv_secs":null,"last_send_secs":null,"rx_queue":0,"tx_queue":0,"uid":0,"direction":"outbound","service_port":8080}"#
+        );
+    }
+
+    #[test]
+    fn unknown_close_wait_age_is_bounded_by_last_ack() {
+        let mut cw = rec(5, tcp_state::CLOSE_WAIT, 45000, 80);
+        cw.last_ack_jiffies = 3000; // 12 s at 250 Hz
+        let mut fs = FirstSeen::default();
+        let t = build(&[cw], &[], &HostInfo::default(), &mut fs, &mut |_| None);
+        assert_eq!(t[0].age, Duration::from_secs(12));
+        assert!(!t[0].age_exact);
+        assert_eq!(
+            (t[0].direction, t[0].service_port),
+            (Direction::Outbound, 80)
+        );
+    }
+
+    #[test]
+    fn first_seen_bound_grows_across_scans() {
+        let mut s = rec(9, tcp_state::ESTABLISHED, 45000, 443);
+        let mut fs = FirstSeen::default();
+        let t = build(&[s], &[], &HostInfo::default(), &mut fs, &mut |_| None);
+        assert_eq!(t[0].age, Duration::ZERO);
+        s.now_ns += 5_000_000_000;
+        let t = build(&[s], &[], &HostInfo::default(), &mut fs, &mut |_| None);
+        assert_eq!(t[0].age, Duration::from_secs(5));
+        // A socket missing from a scan is forgotten.
+        build(&[], &[], &HostInfo::default(), &mut fs, &mut |_| None);
+        s.now_ns += 5_000_000_000;
+        let t = build(&[s], &[], &HostInfo::default(), &mut fs, &mut |_| None);
+        assert_eq!(t[0].age, Duration::ZERO);
+    }
+
+    #[test]
+    fn decodes_ipv6_and_mapped_addresses() {
+        let mut s = rec(4, tcp_state::ESTABLISHED, 45000, 8080);
+        s.family = AF_INET6;
+        s.saddr = Ipv6Addr::LOCALHOST.octets();
+        s.daddr = Ipv4Addr::new(10, 0, 16, 36).to_ipv6_mapped().octets();
+        let t = build(
+            &[s],
+            &[],
+            &HostInfo::default(),
+            &mut FirstSeen::default(),
+            &mut |_| None,
+        );
+        assert_eq!(t[0].local.to_string(), "[::1]:45000");
+        assert_eq!(t[0].peer.to_string(), "[::ffff:10.0.16.36]:8080");
+    }
+
+    #[test]
+    fn time_wait_has_no_idle() {
+        let mut s = rec(6, tcp_state::TIME_WAIT, 45000, 80);
+        s.flags = 0;
+        let t = build(
+            &[s],
+            &[],
+            &HostInfo::default(),
+            &mut FirstSeen::default(),
+            &mut |_| None,
+        );
+        assert_eq!(t[0].idle, None);
+    }
+}
