@@ -722,6 +722,9 @@ format = "json"
             .unwrap_err()
             .to_string();
         assert!(e.starts_with("c.toml:2:"), "{e}");
-        assert!(e.contains("reclaim.mechanism") && e.contains("bpf-iter"), "{e}");
+        assert!(
+            e.contains("reclaim.mechanism") && e.contains("bpf-iter"),
+            "{e}"
+        );
     }
 }
