@@ -133,6 +133,14 @@ async fn sockets(
         {
             let p = st.read();
             if !p.table_pending {
+                if let Some(e) = &p.last_scan_error {
+                    // The table was freed for a scan that failed: say so rather than answer
+                    // with an empty list.
+                    return error(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        format!("the last scan failed: {e}"),
+                    );
+                }
                 let selected: Vec<&Socket> = p.table.iter().filter(|s| filter.matches(s)).collect();
                 return Json(json!({ "count": selected.len(), "sockets": selected }))
                     .into_response();
