@@ -238,6 +238,20 @@ fn snapshot_rows(
     };
     let mut a = mk("3", "ss -tanp", r_ssp, VS_SSP, &ssp);
     a.details = details;
+    // The kernel's own dump (`ss -tan`, no owners) bounds what any owner-attributing tool can
+    // reach: when even that floor is above the ss -tanp target, say so first.
+    let floor = ss.wall.as_secs_f64() / ssp.wall.as_secs_f64().max(1e-9);
+    if a.verdict == Verdict::Miss && floor > VS_SSP {
+        a.diagnosis.insert(
+            0,
+            format!(
+                "At this size `ss -tanp` spends little on owners: `ss -tan` alone (the kernel's \
+                 dump, no owners) takes {:.2}× `ss -tanp` here, above the {VS_SSP}× target, so \
+                 the target is below the floor on this machine; connreap is {:.2}× that floor.",
+                floor, r_ss
+            ),
+        );
+    }
     let mut b = mk("3", "ss -tan", r_ss, VS_SS, &ss);
     if a.verdict == Verdict::Miss && b.verdict == Verdict::Miss {
         b.diagnosis = vec!["Same runs and causes as the row above.".into()];
