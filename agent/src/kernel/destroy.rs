@@ -62,14 +62,15 @@ pub struct BpfDestroyer {
 impl BpfDestroyer {
     /// Load the destroy iterator (the pinned maps of `pin_dir` are reused, not recreated).
     pub fn load(object: &[u8], pin_dir: &Path, verbose: bool) -> Result<Self, KernelError> {
-        let btf_id = offsets::func_id(Path::new(BTF_PATH), "bpf_sock_destroy")?;
+        let kernel_btf = offsets::Resolver::open(Path::new(BTF_PATH))?;
+        let btf_id = kernel_btf.func_id("bpf_sock_destroy")?;
         let mut object = object.to_vec();
         if patch_kfunc(&mut object, btf_id) == 0 {
             return Err(KernelError::Load(
                 "the BPF object has no bpf_sock_destroy call to patch".into(),
             ));
         }
-        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
+        let offsets = kernel_btf.offsets()?;
         let ebpf = EbpfLoader::new()
             .override_global(names::OFFSETS, &offsets, true)
             .map_pin_path(names::STATE_MAP, pin_dir.join("state").as_path())

@@ -21,24 +21,30 @@ pub enum OffsetError {
     NoFunc(String),
 }
 
-/// BTF id of a kernel function (a kfunc), for a `BPF_PSEUDO_KFUNC_CALL`.
-pub fn func_id(path: &Path, name: &str) -> Result<u32, OffsetError> {
-    let btf = Btf::from_file(path).map_err(|e| OffsetError::Read {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    btf.resolve_ids_by_name(name)
-        .unwrap_or_default()
-        .into_iter()
-        .find(|id| matches!(btf.resolve_type_by_id(*id), Ok(Type::Func(_))))
-        .ok_or_else(|| OffsetError::NoFunc(name.into()))
-}
-
-struct Resolver {
+/// The running kernel's BTF, parsed once for everything the loaders need from it.
+pub struct Resolver {
     btf: Btf,
 }
 
 impl Resolver {
+    pub fn open(path: &Path) -> Result<Self, OffsetError> {
+        let btf = Btf::from_file(path).map_err(|e| OffsetError::Read {
+            path: path.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        Ok(Resolver { btf })
+    }
+
+    /// BTF id of a kernel function (a kfunc), for a `BPF_PSEUDO_KFUNC_CALL`.
+    pub fn func_id(&self, name: &str) -> Result<u32, OffsetError> {
+        self.btf
+            .resolve_ids_by_name(name)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|id| matches!(self.btf.resolve_type_by_id(*id), Ok(Type::Func(_))))
+            .ok_or_else(|| OffsetError::NoFunc(name.into()))
+    }
+
     fn structure(&self, name: &str) -> Result<btf_rs::Struct, OffsetError> {
         let types = self
             .btf
@@ -109,43 +115,46 @@ impl Resolver {
 
 /// Resolve every offset the programs need from the BTF file at `path`.
 pub fn resolve(path: &Path) -> Result<KernelOffsets, OffsetError> {
-    let btf = Btf::from_file(path).map_err(|e| OffsetError::Read {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let r = Resolver { btf };
-    let inode_in_alloc = r.offset("socket_alloc", "vfs_inode")?;
-    let socket_in_alloc = r.offset("socket_alloc", "socket")?;
-    Ok(KernelOffsets {
-        valid: KernelOffsets::MAGIC,
-        skc_daddr: r.offset("sock_common", "skc_daddr")?,
-        skc_rcv_saddr: r.offset("sock_common", "skc_rcv_saddr")?,
-        skc_dport: r.offset("sock_common", "skc_dport")?,
-        skc_num: r.offset("sock_common", "skc_num")?,
-        skc_family: r.offset("sock_common", "skc_family")?,
-        skc_state: r.offset("sock_common", "skc_state")?,
-        skc_v6_daddr: r.offset("sock_common", "skc_v6_daddr")?,
-        skc_v6_rcv_saddr: r.offset("sock_common", "skc_v6_rcv_saddr")?,
-        skc_cookie: r.offset("sock_common", "skc_cookie")?,
-        sk_protocol: r.offset("sock", "sk_protocol")?,
-        sk_socket: r.offset("sock", "sk_socket")?,
-        sk_ack_backlog: r.offset("sock", "sk_ack_backlog")?,
-        sk_max_ack_backlog: r.offset("sock", "sk_max_ack_backlog")?,
-        socket_sk: r.offset("socket", "sk")?,
-        socket_to_inode: inode_in_alloc.wrapping_sub(socket_in_alloc),
-        inode_ino: r.offset("inode", "i_ino")?,
-        tcp_rcv_nxt: r.offset("tcp_sock", "rcv_nxt")?,
-        tcp_copied_seq: r.offset("tcp_sock", "copied_seq")?,
-        tcp_write_seq: r.offset("tcp_sock", "write_seq")?,
-        tcp_snd_una: r.offset("tcp_sock", "snd_una")?,
-        tcp_lsndtime: r.offset("tcp_sock", "lsndtime")?,
-        tcp_rcv_tstamp: r.offset("tcp_sock", "rcv_tstamp")?,
-        icsk_lrcvtime: r.offset("inet_connection_sock", "icsk_ack.lrcvtime")?,
-        task_tgid: r.offset("task_struct", "tgid")?,
-        task_comm: r.offset("task_struct", "comm")?,
-        tw_substate: r.offset("inet_timewait_sock", "tw_substate")?,
-        _pad: 0,
-    })
+    Resolver::open(path)?.offsets()
+}
+
+impl Resolver {
+    /// Every offset the programs read.
+    pub fn offsets(&self) -> Result<KernelOffsets, OffsetError> {
+        let r = self;
+        let inode_in_alloc = r.offset("socket_alloc", "vfs_inode")?;
+        let socket_in_alloc = r.offset("socket_alloc", "socket")?;
+        Ok(KernelOffsets {
+            valid: KernelOffsets::MAGIC,
+            skc_daddr: r.offset("sock_common", "skc_daddr")?,
+            skc_rcv_saddr: r.offset("sock_common", "skc_rcv_saddr")?,
+            skc_dport: r.offset("sock_common", "skc_dport")?,
+            skc_num: r.offset("sock_common", "skc_num")?,
+            skc_family: r.offset("sock_common", "skc_family")?,
+            skc_state: r.offset("sock_common", "skc_state")?,
+            skc_v6_daddr: r.offset("sock_common", "skc_v6_daddr")?,
+            skc_v6_rcv_saddr: r.offset("sock_common", "skc_v6_rcv_saddr")?,
+            skc_cookie: r.offset("sock_common", "skc_cookie")?,
+            sk_protocol: r.offset("sock", "sk_protocol")?,
+            sk_socket: r.offset("sock", "sk_socket")?,
+            sk_ack_backlog: r.offset("sock", "sk_ack_backlog")?,
+            sk_max_ack_backlog: r.offset("sock", "sk_max_ack_backlog")?,
+            socket_sk: r.offset("socket", "sk")?,
+            socket_to_inode: inode_in_alloc.wrapping_sub(socket_in_alloc),
+            inode_ino: r.offset("inode", "i_ino")?,
+            tcp_rcv_nxt: r.offset("tcp_sock", "rcv_nxt")?,
+            tcp_copied_seq: r.offset("tcp_sock", "copied_seq")?,
+            tcp_write_seq: r.offset("tcp_sock", "write_seq")?,
+            tcp_snd_una: r.offset("tcp_sock", "snd_una")?,
+            tcp_lsndtime: r.offset("tcp_sock", "lsndtime")?,
+            tcp_rcv_tstamp: r.offset("tcp_sock", "rcv_tstamp")?,
+            icsk_lrcvtime: r.offset("inet_connection_sock", "icsk_ack.lrcvtime")?,
+            task_tgid: r.offset("task_struct", "tgid")?,
+            task_comm: r.offset("task_struct", "comm")?,
+            tw_substate: r.offset("inet_timewait_sock", "tw_substate")?,
+            _pad: 0,
+        })
+    }
 }
 
 #[cfg(test)]
