@@ -39,6 +39,8 @@ pub mod names {
     pub const PROG_ITER_FILES: &str = "connreap_iter_task_file";
     pub const DESTROY_MAP: &str = "CONNREAP_DESTROY";
     pub const PROG_ITER_DESTROY: &str = "connreap_iter_destroy";
+    pub const STAGING: &str = "CONNREAP_STAGING";
+    pub const PROG_FLUSH: &str = "connreap_flush_events";
 }
 
 /// The fallback destroy path (`connreap_iter_destroy`): an `iter/tcp` program calling the
@@ -201,6 +203,51 @@ pub struct TransitionEvent {
     pub comm: [u8; 16],
 }
 
+/// Transitions sent over the ring per record. The tracker stages events in a per-CPU
+/// [`EventBatch`] and outputs the whole batch when it is full: one ring reservation (lock,
+/// producer position, wakeup check) per batch instead of per transition, and no cache line
+/// shared between CPUs on the hot path. Partial batches are sent by `connreap_flush_events`,
+/// which the daemon runs on every CPU before each drain.
+pub const EVENT_BATCH: usize = 32;
+
+/// A ring record of up to [`EVENT_BATCH`] transitions (`events[..count]`), and the per-CPU
+/// staging area it is built in (`CONNREAP_STAGING`). A ring record of exactly
+/// `size_of::<TransitionEvent>()` bytes is a single event, sent directly when the staging area
+/// was in use by the code this run interrupted.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct EventBatch {
+    pub count: u32,
+    /// Non-zero while a program on this CPU is changing the batch.
+    pub busy: u32,
+    pub events: [TransitionEvent; EVENT_BATCH],
+}
+
+impl EventBatch {
+    /// The transitions in a ring record, whichever of the two record kinds it is; `None` for
+    /// a record of another size (a corrupt or foreign ring).
+    pub fn decode(record: &[u8]) -> Option<&[TransitionEvent]> {
+        if record
+            .as_ptr()
+            .align_offset(core::mem::align_of::<EventBatch>())
+            != 0
+        {
+            return None;
+        }
+        if record.len() == core::mem::size_of::<TransitionEvent>() {
+            // SAFETY: a Pod record of exactly this size, aligned (checked above).
+            let ev = unsafe { &*(record.as_ptr() as *const TransitionEvent) };
+            return Some(core::slice::from_ref(ev));
+        }
+        if record.len() != core::mem::size_of::<EventBatch>() {
+            return None;
+        }
+        // SAFETY: as above.
+        let batch = unsafe { &*(record.as_ptr() as *const EventBatch) };
+        batch.events.get(..batch.count as usize)
+    }
+}
+
 /// Flags of [`SockRecord::flags`].
 pub mod sock_flags {
     /// The socket is a full TCP socket: queues and idle times are valid.
@@ -260,12 +307,15 @@ mod pod {
     unsafe impl aya::Pod for super::SockRecord {}
     unsafe impl aya::Pod for super::OwnerRecord {}
     unsafe impl aya::Pod for super::DestroyRequest {}
+    unsafe impl aya::Pod for super::EventBatch {}
 }
 
 // Layouts are part of the kernel/user contract: catch accidental implicit padding.
 const _: () = assert!(core::mem::size_of::<StateEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<TransitionEvent>() == 80);
 const _: () = assert!(core::mem::size_of::<SockRecord>() == 104);
+const _: () = assert!(core::mem::size_of::<EventBatch>() == 8 + 80 * EVENT_BATCH);
+const _: () = assert!(EVENT_BATCH.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
 const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 28 * 4);

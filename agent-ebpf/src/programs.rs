@@ -10,14 +10,15 @@ use aya_ebpf::{
         bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns,
         bpf_probe_read_kernel, generated::bpf_seq_write, generated::bpf_sock_from_file,
     },
-    macros::{map, tracepoint},
+    macros::{map, raw_tracepoint, tracepoint},
     maps::{HashMap, PerCpuArray, RingBuf},
-    programs::TracePointContext,
+    programs::{RawTracePointContext, TracePointContext},
     EbpfContext,
 };
 use connreap_ebpf::{
-    counter, sock_flags, tcp_state, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
-    TransitionEvent, AF_INET, AF_INET6, EVENTS_RING_BYTES, IPPROTO_TCP, STATE_MAP_ENTRIES,
+    counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
+    TransitionEvent, AF_INET, AF_INET6, EVENTS_RING_BYTES, EVENT_BATCH, IPPROTO_TCP,
+    STATE_MAP_ENTRIES,
 };
 
 #[no_mangle]
@@ -36,6 +37,10 @@ static CONNREAP_STATE: HashMap<u64, StateEntry> =
 #[map(name = "CONNREAP_EVENTS")]
 static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
 
+/// Per-CPU staging batch of transition events (see [`EventBatch`]).
+#[map(name = "CONNREAP_STAGING")]
+static CONNREAP_STAGING: PerCpuArray<EventBatch> = PerCpuArray::pinned(1, 0);
+
 #[map(name = "CONNREAP_COUNTERS")]
 static CONNREAP_COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(counter::COUNT, 0);
 
@@ -49,9 +54,14 @@ macro_rules! off {
 
 #[inline(always)]
 fn bump(index: u32) {
+    bump_by(index, 1)
+}
+
+#[inline(always)]
+fn bump_by(index: u32, n: u64) {
     if let Some(slot) = CONNREAP_COUNTERS.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU.
-        unsafe { *slot += 1 };
+        unsafe { *slot += n };
     }
 }
 
@@ -134,6 +144,8 @@ const COUNT_ONLY: bool = variant_is("count-only");
 const NO_MAP: bool = variant_is("no-map");
 /// Everything but the event ring.
 const NO_RING: bool = variant_is("no-ring");
+/// One ring record per transition (the design before per-CPU batches).
+const UNBATCHED: bool = variant_is("unbatched");
 
 fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
     let protocol: u16 = tp(ctx, TP_PROTOCOL);
@@ -182,34 +194,118 @@ fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
     if NO_RING {
         return Ok(());
     }
+    let event = TransitionEvent {
+        ts_ns: now,
+        skaddr,
+        saddr: entry.saddr,
+        daddr: entry.daddr,
+        family,
+        sport: entry.sport,
+        dport: entry.dport,
+        oldstate: oldstate as u8,
+        newstate: newstate as u8,
+        pid: (bpf_get_current_pid_tgid() >> 32) as u32,
+        _pad: 0,
+        comm: bpf_get_current_comm().unwrap_or_default(),
+    };
+    if UNBATCHED {
+        send_one(&event);
+    } else {
+        stage(&event);
+    }
+    Ok(())
+}
+
+/// Ask for a wakeup only when a lot is pending: the daemon also drains on a timer.
+#[inline(always)]
+fn ring_flags() -> u64 {
+    if CONNREAP_EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= WAKEUP_BYTES {
+        BPF_RB_FORCE_WAKEUP as u64
+    } else {
+        BPF_RB_NO_WAKEUP as u64
+    }
+}
+
+/// One event as its own ring record.
+#[inline(always)]
+fn send_one(event: &TransitionEvent) {
     match CONNREAP_EVENTS.reserve::<TransitionEvent>(0) {
         Some(mut slot) => {
-            let pid = (bpf_get_current_pid_tgid() >> 32) as u32;
-            let comm = bpf_get_current_comm().unwrap_or_default();
-            slot.write(TransitionEvent {
-                ts_ns: now,
-                skaddr,
-                saddr: entry.saddr,
-                daddr: entry.daddr,
-                family,
-                sport: entry.sport,
-                dport: entry.dport,
-                oldstate: oldstate as u8,
-                newstate: newstate as u8,
-                pid,
-                _pad: 0,
-                comm,
-            });
-            let flags = if CONNREAP_EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= WAKEUP_BYTES {
-                BPF_RB_FORCE_WAKEUP
-            } else {
-                BPF_RB_NO_WAKEUP
-            };
-            slot.submit(flags as u64);
+            slot.write(*event);
+            slot.submit(ring_flags());
         }
         None => bump(counter::RING_DROPS),
     }
-    Ok(())
+}
+
+/// Append the event to this CPU's staging batch and send the batch when it is full.
+///
+/// Only code on this CPU touches the batch, but a run can be interrupted by another (a softirq
+/// transition during a process-context one is skipped by the kernel's recursion guard, but the
+/// flush program may run from an IPI): whoever finds `busy` set leaves the batch alone and
+/// sends its event directly. The stores are volatile so they stay in program order.
+#[inline(always)]
+fn stage(event: &TransitionEvent) {
+    let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
+        send_one(event);
+        return;
+    };
+    // SAFETY: a valid per-CPU map value; see above for why plain volatile accesses suffice.
+    unsafe {
+        if core::ptr::read_volatile(&(*batch).busy) != 0 {
+            send_one(event);
+            return;
+        }
+        core::ptr::write_volatile(&mut (*batch).busy, 1);
+        let n = core::ptr::read_volatile(&(*batch).count) as usize & (EVENT_BATCH - 1);
+        core::ptr::write_volatile(&mut (*batch).events[n], *event);
+        let mut count = n as u32 + 1;
+        core::ptr::write_volatile(&mut (*batch).count, count);
+        if count as usize == EVENT_BATCH {
+            if CONNREAP_EVENTS
+                .output::<EventBatch>(&*batch, ring_flags())
+                .is_err()
+            {
+                bump_by(counter::RING_DROPS, EVENT_BATCH as u64);
+            }
+            count = 0;
+            core::ptr::write_volatile(&mut (*batch).count, count);
+        }
+        core::ptr::write_volatile(&mut (*batch).busy, 0);
+    }
+}
+
+/// Send this CPU's partial batch. Never attached: the daemon runs it on each CPU with
+/// `BPF_PROG_TEST_RUN` + `BPF_F_TEST_RUN_ON_CPU` before draining the ring. Returns 0 when the
+/// batch was sent (or empty), 1 when it was in use (try again later).
+#[raw_tracepoint(tracepoint = "connreap_flush")]
+pub fn connreap_flush_events(_ctx: RawTracePointContext) -> i32 {
+    try_flush()
+}
+
+fn try_flush() -> i32 {
+    let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: as in `stage`.
+    unsafe {
+        if core::ptr::read_volatile(&(*batch).busy) != 0 {
+            return 1;
+        }
+        core::ptr::write_volatile(&mut (*batch).busy, 1);
+        let count = core::ptr::read_volatile(&(*batch).count);
+        if count != 0 {
+            if CONNREAP_EVENTS
+                .output::<EventBatch>(&*batch, BPF_RB_FORCE_WAKEUP as u64)
+                .is_err()
+            {
+                bump_by(counter::RING_DROPS, count as u64);
+            }
+            core::ptr::write_volatile(&mut (*batch).count, 0);
+        }
+        core::ptr::write_volatile(&mut (*batch).busy, 0);
+    }
+    0
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ use std::{
 
 use anyhow::Context as _;
 use aya::maps::{MapData, RingBuf};
-use connreap_ebpf::{tcp_state, TransitionEvent};
+use connreap_ebpf::tcp_state;
 use tokio::io::unix::AsyncFd;
 
 use crate::{
@@ -15,7 +15,7 @@ use crate::{
     api::{self, AppState},
     config::{Config, QuotaConfig},
     detect::{self, ConnKey, Memory, StormTracker},
-    kernel::{Kernel, KernelError, ProgramStats},
+    kernel::{events::Flusher, Kernel, KernelError, ProgramStats},
     metrics::{MechanismLabels, Metrics, ReclaimLabels},
     quota::{self, QuotaStatus},
     reclaim::{
@@ -43,6 +43,7 @@ pub fn host_name(cfg: &Config) -> String {
 /// Feed active opens (CLOSE -> SYN_SENT, seen in the connecting task) to the storm tracker.
 async fn read_events(
     ring: RingBuf<MapData>,
+    flusher: Flusher,
     storm: Arc<Mutex<StormTracker>>,
     metrics: Arc<Metrics>,
 ) {
@@ -55,6 +56,7 @@ async fn read_events(
             return;
         }
     };
+    let mut flush_failing = false;
     loop {
         // The probe wakes us only when a lot is pending; otherwise drain twice a second.
         tokio::select! {
@@ -67,13 +69,28 @@ async fn read_events(
             },
             _ = tokio::time::sleep(Duration::from_millis(500)) => {}
         }
+        // Partial per-CPU batches first, so no transition waits longer than one drain.
+        match flusher.flush() {
+            Ok(_) => flush_failing = false,
+            Err(e) if !flush_failing => {
+                flush_failing = true;
+                tracing::warn!(error = %e, "cannot flush the per-CPU event batches; events arrive in full batches only");
+            }
+            Err(_) => {}
+        }
         let ring = fd.get_mut();
         let mut n = 0u64;
         let mut opens = Vec::new();
         while let Some(item) = ring.next() {
-            n += 1;
-            let ev: Vec<TransitionEvent> = crate::kernel::decode_records(&item);
-            if let Some(ev) = ev.first() {
+            let events = match crate::kernel::events::decode(&item) {
+                Ok(events) => events,
+                Err(e) => {
+                    tracing::warn!(error = %e, "skipping a transition ring record");
+                    continue;
+                }
+            };
+            n += events.len() as u64;
+            for ev in events {
                 if ev.oldstate == tcp_state::CLOSE && ev.newstate == tcp_state::SYN_SENT {
                     let end = ev.comm.iter().position(|b| *b == 0).unwrap_or(16);
                     opens.push(ConnKey {
@@ -366,9 +383,9 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     let metrics = Arc::new(Metrics::new());
     let kernel = tokio::task::spawn_blocking(move || Kernel::load(verbose)).await??;
     let mut scanner = Scanner::new(kernel);
-    let ring = scanner.kernel.take_events()?;
+    let (ring, flusher) = scanner.kernel.take_events()?;
     let storm = Arc::new(Mutex::new(StormTracker::default()));
-    tokio::spawn(read_events(ring, storm.clone(), metrics.clone()));
+    tokio::spawn(read_events(ring, flusher, storm.clone(), metrics.clone()));
 
     let http_quotas = Arc::new(Mutex::new(BTreeMap::new()));
     for q in cfg.quota.iter().filter(|q| q.is_http()) {

@@ -888,6 +888,53 @@ storm_growth_windows = 2"#,
     agent.assert_healthy();
 }
 
+/// The tracker sends transitions in per-CPU batches of 32; a process that opens only a handful
+/// of connections must still be seen within a drain (the daemon flushes partial batches on every
+/// CPU before each read), not whenever some batch happens to fill. With a storm threshold of
+/// 0.5 connections/s and no growth required, three connects from this test process must reach
+/// the webhook as a reconnect_storm within a few seconds, while nothing else polls the agent.
+#[test]
+fn a_few_transitions_reach_the_daemon_without_waiting_for_a_full_batch() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let ns = NetNs::new("flush");
+    let hook = WebhookReceiver::start_in_netns(ns.name(), addr(HOOK)).unwrap();
+    let mut agent = Agent::start(
+        &ns,
+        "flush",
+        &config(
+            r#"storm_rate = 0.5
+storm_growth_windows = 0"#,
+            "",
+        ),
+    );
+    // Quiet: no API polling from here on, so no other connections fill the batches.
+    std::thread::sleep(Duration::from_secs(3));
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    let me = std::process::id();
+    let mut held = Vec::new();
+    for _ in 0..3 {
+        held.push(std::net::TcpStream::connect(("127.0.0.1", port)).unwrap());
+        held.push(listener.accept().unwrap().0);
+    }
+    let made = Instant::now();
+    let post = hook.wait_for_body(Duration::from_secs(6), |b| {
+        is(b, "reconnect_storm", "firing") && names_pid(b, me) && b["service_port"] == port
+    });
+    agent.assert_alive();
+    assert!(
+        post.is_some(),
+        "3 connects to port {port} by pid {me} never reached the storm detector within {:?}: partial per-CPU batches are not flushed; posts:\n{}\nagent stderr:\n{}",
+        made.elapsed(),
+        describe(&hook.posts()),
+        agent.stderr()
+    );
+    drop(held);
+    agent.assert_healthy();
+}
+
 // ---------------------------------------------------------------------------------------------
 // 4. Webhook receiver down for a while, then up.
 

@@ -71,11 +71,9 @@ impl BpfDestroyer {
             ));
         }
         let offsets = kernel_btf.offsets()?;
-        let ebpf = EbpfLoader::new()
-            .override_global(names::OFFSETS, &offsets, true)
-            .map_pin_path(names::STATE_MAP, pin_dir.join("state").as_path())
-            .map_pin_path(names::EVENTS, pin_dir.join("events").as_path())
-            .map_pin_path(names::COUNTERS, pin_dir.join("counters").as_path())
+        let mut loader = EbpfLoader::new();
+        loader.override_global(names::OFFSETS, &offsets, true);
+        let ebpf = super::with_pinned_maps(&mut loader, pin_dir)
             .load(&object)
             .map_err(|e| KernelError::Load(full_chain(&e)))?;
         let mut me = BpfDestroyer { ebpf, verbose };

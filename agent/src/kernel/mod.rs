@@ -8,6 +8,7 @@
 //! gets a new directory and the stale ones are removed, which detaches the old tracker.
 pub mod destroy;
 pub mod diag;
+pub mod events;
 mod hz;
 pub mod offsets;
 
@@ -20,10 +21,10 @@ use std::{
 };
 
 use aya::{
-    maps::{Map, MapData, PerCpuArray, RingBuf},
+    maps::{Map, MapData, PerCpuArray},
     programs::{
         links::{FdLink, LinkError, PinnedLink},
-        Iter, TracePoint,
+        Iter, RawTracePoint, TracePoint,
     },
     Btf, Ebpf, EbpfLoader,
 };
@@ -273,12 +274,14 @@ impl Kernel {
         let pin_dir = prepare_pin_dir()?;
         let tcp_pin = pin_dir.join("iter_tcp");
         let files_pin = pin_dir.join("iter_task_file");
+        let flush_pin = pin_dir.join("flush");
         // Fast path: an earlier run left the tracker, its maps and verified iterators pinned;
         // reuse them (no ELF or BTF parsing, no verification). Their offsets were resolved
         // when they were loaded.
         let reuse = PinnedLink::from_pin(pin_dir.join("link")).is_ok()
             && tcp_pin.exists()
-            && files_pin.exists();
+            && files_pin.exists()
+            && flush_pin.exists();
         let pinned = if reuse {
             Maps::from_pins(&pin_dir)
                 .map_err(
@@ -308,14 +311,9 @@ impl Kernel {
     /// (unless alive), load and pin both iterators; keep the maps userspace reads.
     fn load_object(pin_dir: &Path, verbose: bool) -> Result<Maps, KernelError> {
         let offsets = offsets::resolve(Path::new(BTF_PATH))?;
-        let state_pin = pin_dir.join("state");
-        let events_pin = pin_dir.join("events");
-        let counters_pin = pin_dir.join("counters");
-        let ebpf = EbpfLoader::new()
-            .override_global(names::OFFSETS, &offsets, true)
-            .map_pin_path(names::STATE_MAP, state_pin.as_path())
-            .map_pin_path(names::EVENTS, events_pin.as_path())
-            .map_pin_path(names::COUNTERS, counters_pin.as_path())
+        let mut loader = EbpfLoader::new();
+        loader.override_global(names::OFFSETS, &offsets, true);
+        let ebpf = with_pinned_maps(&mut loader, pin_dir)
             .load(OBJECT)
             .map_err(|e| KernelError::Load(full_chain(&e)))?;
 
@@ -336,8 +334,34 @@ impl Kernel {
             let _ = fs::remove_file(&pin);
             it.pin(&pin).map_err(|e| pin_error(&pin, e))?;
         }
+        let flush: &mut RawTracePoint = loaded.program(names::PROG_FLUSH)?;
+        flush
+            .load()
+            .map_err(|e| program_error(verbose, names::PROG_FLUSH, e))?;
+        let pin = pin_dir.join("flush");
+        let _ = fs::remove_file(&pin);
+        flush.pin(&pin).map_err(|e| pin_error(&pin, e))?;
         Ok(Maps::from_object(&mut loaded.ebpf))
     }
+}
+
+/// The maps every load of the object shares with the pinned tracker (name, pin file).
+const SHARED_MAPS: [(&str, &str); 4] = [
+    (names::STATE_MAP, "state"),
+    (names::EVENTS, "events"),
+    (names::COUNTERS, "counters"),
+    (names::STAGING, "staging"),
+];
+
+/// Point the loader at the pins of [`SHARED_MAPS`] (created on the first load, reused after).
+pub(crate) fn with_pinned_maps<'a, 'l>(
+    loader: &'l mut EbpfLoader<'a>,
+    pin_dir: &Path,
+) -> &'l mut EbpfLoader<'a> {
+    for (name, pin) in SHARED_MAPS {
+        loader.map_pin_path(name, pin_dir.join(pin));
+    }
+    loader
 }
 
 /// The object during load, before the iterators are taken from their pins.
@@ -488,17 +512,6 @@ impl Kernel {
         }
         out
     }
-
-    /// The transition event ring (one consumer at a time: the daemon).
-    pub fn take_events(&mut self) -> Result<RingBuf<MapData>, KernelError> {
-        let map = self
-            .ebpf
-            .take_map(names::EVENTS)
-            .ok_or(KernelError::MissingMap(names::EVENTS))?;
-        let ring = RingBuf::try_from(map).map_err(|e| KernelError::Load(e.to_string()))?;
-        tracing::debug!(fd = ring.as_raw_fd(), "transition ring opened");
-        Ok(ring)
-    }
 }
 
 /// Fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
@@ -510,21 +523,6 @@ fn records<T: Copy + Default>(buf: &[u8]) -> impl Iterator<Item = T> + '_ {
         unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), &mut v as *mut T as *mut u8, size) };
         v
     })
-}
-
-/// Decode fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
-pub fn decode_records<T: Copy + Default>(buf: &[u8]) -> Vec<T> {
-    let size = std::mem::size_of::<T>();
-    buf.chunks_exact(size)
-        .map(|chunk| {
-            let mut v = T::default();
-            // SAFETY: T is a #[repr(C)] Pod record; chunk has exactly size_of::<T>() bytes.
-            unsafe {
-                std::ptr::copy_nonoverlapping(chunk.as_ptr(), &mut v as *mut T as *mut u8, size)
-            };
-            v
-        })
-        .collect()
 }
 
 /// A program load error: the errno and, with `-v`, the verifier log (never dumped by default).
@@ -588,7 +586,7 @@ mod tests {
             });
         }
         buf.extend_from_slice(&[1, 2, 3]);
-        let recs: Vec<OwnerRecord> = decode_records(&buf);
+        let recs: Vec<OwnerRecord> = records(&buf).collect();
         assert_eq!(recs, vec![a, a]);
     }
 
