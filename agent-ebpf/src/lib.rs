@@ -2,10 +2,15 @@
 //! userspace agent (built with the `user` feature, which adds `aya::Pod` impls).
 //!
 //! Every type here is `#[repr(C)]` plain data with explicit padding, so both sides agree on the
-//! layout byte for byte. Times are `CLOCK_MONOTONIC` nanoseconds (`bpf_ktime_get_ns`), the one
-//! time base used for ages everywhere in connreap. Idle durations come from the kernel's TCP
-//! timestamps, which are in jiffies; the programs report them as "jiffies ago" and userspace
-//! converts with the kernel's `CONFIG_HZ`.
+//! layout byte for byte.
+//!
+//! Time base: every age connreap reports — time in state and idle times — is measured on the
+//! kernel's `jiffies_64` clock, the clock of TCP's own timestamps. The tracker stamps transitions
+//! with `bpf_jiffies64()` (a load, where `bpf_ktime_get_ns` is a clock read on the hot path),
+//! the iterator reports ages as "jiffies ago", and userspace converts them with the kernel's
+//! `CONFIG_HZ` (resolution 1/HZ: 4 ms at HZ=250). `SockRecord::now_ns` (`CLOCK_MONOTONIC`) only
+//! stamps when a record was written, for the first-seen lower bounds of sockets whose
+//! transition the tracker never saw.
 #![no_std]
 
 /// Linux TCP states (`include/net/tcp_states.h`).
@@ -172,8 +177,8 @@ impl KernelOffsets {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StateEntry {
-    /// CLOCK_MONOTONIC ns when the socket entered `state`.
-    pub since_ns: u64,
+    /// `jiffies_64` when the socket entered `state`.
+    pub since_jiffies: u64,
     pub saddr: [u8; 16],
     pub daddr: [u8; 16],
     pub family: u16,
@@ -187,7 +192,8 @@ pub struct StateEntry {
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct TransitionEvent {
-    pub ts_ns: u64,
+    /// `jiffies_64` at the transition.
+    pub ts_jiffies: u64,
     pub skaddr: u64,
     pub saddr: [u8; 16],
     pub daddr: [u8; 16],
@@ -196,8 +202,9 @@ pub struct TransitionEvent {
     pub dport: u16,
     pub oldstate: u8,
     pub newstate: u8,
-    /// Task on the CPU when the transition happened. Only meaningful for transitions a process
-    /// causes itself (connect, listen, close); FIN-driven ones run in softirq context.
+    /// Task on the CPU, for transitions out of CLOSE only (connect, listen: the process that
+    /// owns the socket); 0 with an empty `comm` for the others, which mostly run in softirq
+    /// context where the current task is unrelated.
     pub pid: u32,
     pub _pad: u32,
     pub comm: [u8; 16],
@@ -252,7 +259,7 @@ impl EventBatch {
 pub mod sock_flags {
     /// The socket is a full TCP socket: queues and idle times are valid.
     pub const FULL: u8 = 1;
-    /// `state_since_ns` is known (the transition into the current state was seen).
+    /// `state_age_jiffies` is known (the transition into the current state was seen).
     pub const SINCE_KNOWN: u8 = 2;
 }
 
@@ -263,8 +270,8 @@ pub struct SockRecord {
     pub skaddr: u64,
     pub inode: u64,
     pub cookie: u64,
-    /// CLOCK_MONOTONIC ns when the socket entered its current state, if `SINCE_KNOWN`.
-    pub state_since_ns: u64,
+    /// Jiffies since the socket entered its current state, if `SINCE_KNOWN`.
+    pub state_age_jiffies: u64,
     /// CLOCK_MONOTONIC ns when this record was written.
     pub now_ns: u64,
     pub saddr: [u8; 16],

@@ -1,4 +1,4 @@
-//! The three programs: a tracepoint keeping per-socket state and ages, an `iter/tcp` dump of the
+//! The programs: a BTF tracepoint keeping per-socket state and ages, an `iter/tcp` dump of the
 //! socket table, and an `iter/task_file` dump of socket owners. Each is a thin entry that calls a
 //! `try_*` function; kernel memory is read with `bpf_probe_read_kernel` at offsets the loader
 //! resolved from the running kernel's BTF (`CONNREAP_OFFSETS`), never at build-time offsets.
@@ -7,13 +7,12 @@ use core::ffi::c_void;
 use aya_ebpf::{
     bindings::{BPF_F_NO_PREALLOC, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
     helpers::{
-        bpf_get_current_comm, bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns,
-        bpf_probe_read_kernel, generated::bpf_seq_write, generated::bpf_sock_from_file,
+        bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
     },
-    macros::{map, raw_tracepoint, tracepoint},
+    macros::{btf_tracepoint, map, raw_tracepoint},
     maps::{HashMap, PerCpuArray, RingBuf},
-    programs::{RawTracePointContext, TracePointContext},
-    EbpfContext,
+    programs::{BtfTracePointContext, RawTracePointContext},
 };
 use connreap_ebpf::{
     counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
@@ -29,7 +28,7 @@ pub static LICENSE: [u8; 4] = *b"GPL\0";
 #[no_mangle]
 pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
 
-/// Per-socket state and the time it was entered, keyed by the kernel socket address.
+/// Per-socket state and the jiffy it was entered, keyed by the kernel socket address.
 #[map(name = "CONNREAP_STATE")]
 static CONNREAP_STATE: HashMap<u64, StateEntry> =
     HashMap::pinned(STATE_MAP_ENTRIES, BPF_F_NO_PREALLOC);
@@ -72,45 +71,22 @@ pub(crate) fn read<T: Default>(addr: u64) -> T {
 }
 
 // ---------------------------------------------------------------------------------------------
-// Tracepoint sock/inet_sock_set_state (stable tracepoint format, see
-// /sys/kernel/tracing/events/sock/inet_sock_set_state/format).
+// BTF tracepoint inet_sock_set_state(const struct sock *sk, int oldstate, int newstate).
 // ---------------------------------------------------------------------------------------------
-const TP_SKADDR: usize = 8;
-const TP_OLDSTATE: usize = 16;
-const TP_NEWSTATE: usize = 20;
-const TP_SPORT: usize = 24;
-const TP_DPORT: usize = 26;
-const TP_FAMILY: usize = 28;
-const TP_PROTOCOL: usize = 30;
-const TP_SADDR: usize = 32;
-const TP_DADDR: usize = 36;
-const TP_SADDR_V6: usize = 40;
-const TP_DADDR_V6: usize = 56;
-
-#[tracepoint]
-pub fn connreap_set_state(ctx: TracePointContext) -> u32 {
+#[btf_tracepoint(function = "inet_sock_set_state")]
+pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
     let _ = try_set_state(&ctx);
     0
 }
 
-/// Direct load from the tracepoint record (ctx access, no helper call).
+/// A field of the socket the tracepoint passes, loaded directly: `sk` is a trusted BTF pointer
+/// and `off` a value of the frozen `.rodata` (a constant to the verifier), so the verifier checks
+/// the load against the running kernel's own `struct sock`; no helper call.
 #[inline(always)]
-fn tp<T: Copy>(ctx: &TracePointContext, off: usize) -> T {
-    // SAFETY: `off` is a field offset inside the tracepoint's fixed record format, which the
-    // verifier bounds-checks as a ctx access.
-    unsafe { core::ptr::read_volatile((ctx.as_ptr() as *const u8).add(off) as *const T) }
-}
-
-/// 16 address bytes as two 8-byte ctx loads (the verifier rejects loads through a ctx pointer
-/// that was moved, which a byte-wise copy would produce).
-#[inline(always)]
-fn tp_addr16(ctx: &TracePointContext, off: usize) -> [u8; 16] {
-    let lo: u64 = tp(ctx, off);
-    let hi: u64 = tp(ctx, off + 8);
-    let mut out = [0u8; 16];
-    out[..8].copy_from_slice(&lo.to_ne_bytes());
-    out[8..].copy_from_slice(&hi.to_ne_bytes());
-    out
+fn sk_field<T: Copy>(sk: *const u8, off: u64) -> T {
+    // SAFETY: see above; the verifier rejects the program if the offset is not a field of T's
+    // size inside struct sock.
+    unsafe { core::ptr::read_volatile(sk.add(off as usize) as *const T) }
 }
 
 /// Wake the ring reader only when this much is pending: the daemon also drains on a timer, so
@@ -147,8 +123,9 @@ const NO_RING: bool = variant_is("no-ring");
 /// One ring record per transition (the design before per-CPU batches).
 const UNBATCHED: bool = variant_is("unbatched");
 
-fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
-    let protocol: u16 = tp(ctx, TP_PROTOCOL);
+fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
+    let sk: *const u8 = ctx.arg(0);
+    let protocol: u16 = sk_field(sk, off!(sk_protocol));
     if protocol != IPPROTO_TCP {
         return Ok(());
     }
@@ -156,64 +133,147 @@ fn try_set_state(ctx: &TracePointContext) -> Result<(), i32> {
     if COUNT_ONLY {
         return Ok(());
     }
-    let now = unsafe { bpf_ktime_get_ns() };
-    let skaddr: u64 = tp(ctx, TP_SKADDR);
-    let oldstate: i32 = tp(ctx, TP_OLDSTATE);
-    let newstate: i32 = tp(ctx, TP_NEWSTATE);
-    let family: u16 = tp(ctx, TP_FAMILY);
-    let mut entry = StateEntry {
-        since_ns: now,
-        family,
-        sport: tp(ctx, TP_SPORT),
-        dport: tp(ctx, TP_DPORT),
-        state: newstate as u8,
-        ..Default::default()
-    };
-    if family == AF_INET6 {
-        entry.saddr = tp_addr16(ctx, TP_SADDR_V6);
-        entry.daddr = tp_addr16(ctx, TP_DADDR_V6);
+    let oldstate = ctx.arg::<i32>(1) as u8;
+    let newstate = ctx.arg::<i32>(2) as u8;
+    let family: u16 = sk_field(sk, off!(skc_family));
+    // Addresses as two 8-byte words each (an IPv4 address in the low 4 bytes): plain register
+    // stores, where byte arrays built with copy_from_slice compile to memset/memcpy calls.
+    let (saddr, daddr) = if family == AF_INET6 {
+        (
+            addr16(sk, off!(skc_v6_rcv_saddr)),
+            addr16(sk, off!(skc_v6_daddr)),
+        )
     } else {
-        let s: u32 = tp(ctx, TP_SADDR);
-        let d: u32 = tp(ctx, TP_DADDR);
-        entry.saddr[..4].copy_from_slice(&s.to_ne_bytes());
-        entry.daddr[..4].copy_from_slice(&d.to_ne_bytes());
-    }
+        let s: u32 = sk_field(sk, off!(skc_rcv_saddr));
+        let d: u32 = sk_field(sk, off!(skc_daddr));
+        ([s as u64, 0], [d as u64, 0])
+    };
+    let t = Transition {
+        // Jiffies, not bpf_ktime_get_ns: a plain load instead of a clock read, and the unit of
+        // the kernel's own TCP timestamps that the iterator reports idle times in.
+        now: unsafe { bpf_jiffies64() },
+        skaddr: sk as u64,
+        saddr,
+        daddr,
+        family,
+        sport: sk_field(sk, off!(skc_num)),
+        dport: u16::from_be(sk_field(sk, off!(skc_dport))),
+        oldstate,
+        newstate,
+    };
 
     if NO_MAP {
-    } else if newstate as u8 == tcp_state::CLOSE {
-        let _ = CONNREAP_STATE.remove(&skaddr);
-    } else if let Some(existing) = CONNREAP_STATE.get_ptr_mut(&skaddr) {
-        // Update in place: no allocation for sockets already tracked.
-        // SAFETY: a valid map value pointer; a concurrent reader may see a torn update, which
-        // the iterator tolerates (it only uses since_ns when the state matches).
-        unsafe { *existing = entry };
-    } else if CONNREAP_STATE.insert(&skaddr, &entry, 0).is_err() {
-        bump(counter::MAP_FULL);
+    } else if newstate == tcp_state::CLOSE {
+        let _ = CONNREAP_STATE.remove(&t.skaddr);
+    } else {
+        let entry = StateEntry {
+            since_jiffies: t.now,
+            saddr: bytes16(t.saddr),
+            daddr: bytes16(t.daddr),
+            family: t.family,
+            sport: t.sport,
+            dport: t.dport,
+            state: newstate,
+            _pad: 0,
+        };
+        if let Some(existing) = CONNREAP_STATE.get_ptr_mut(&t.skaddr) {
+            // Update in place: no allocation for sockets already tracked.
+            // SAFETY: a valid map value pointer; a concurrent reader may see a torn update,
+            // which the iterator tolerates (it only uses since_jiffies when the state matches).
+            unsafe { *existing = entry };
+        } else if CONNREAP_STATE.insert(&t.skaddr, &entry, 0).is_err() {
+            bump(counter::MAP_FULL);
+        }
     }
 
     if NO_RING {
         return Ok(());
     }
-    let event = TransitionEvent {
-        ts_ns: now,
-        skaddr,
-        saddr: entry.saddr,
-        daddr: entry.daddr,
-        family,
-        sport: entry.sport,
-        dport: entry.dport,
-        oldstate: oldstate as u8,
-        newstate: newstate as u8,
-        pid: (bpf_get_current_pid_tgid() >> 32) as u32,
-        _pad: 0,
-        comm: bpf_get_current_comm().unwrap_or_default(),
-    };
     if UNBATCHED {
-        send_one(&event);
+        send_one(&t);
     } else {
-        stage(&event);
+        stage(&t);
     }
     Ok(())
+}
+
+/// What the tracker read about one transition.
+struct Transition {
+    now: u64,
+    skaddr: u64,
+    saddr: [u64; 2],
+    daddr: [u64; 2],
+    family: u16,
+    sport: u16,
+    dport: u16,
+    oldstate: u8,
+    newstate: u8,
+}
+
+#[inline(always)]
+fn addr16(sk: *const u8, off: u64) -> [u64; 2] {
+    [sk_field(sk, off), sk_field(sk, off + 8)]
+}
+
+#[inline(always)]
+fn bytes16(words: [u64; 2]) -> [u8; 16] {
+    // SAFETY: same size, every bit pattern valid; native order keeps the address bytes in place.
+    unsafe { core::mem::transmute::<[u64; 2], [u8; 16]>(words) }
+}
+
+/// Store 16 bytes as two 8-byte stores (a plain array assignment may become a memmove call).
+///
+/// # Safety
+/// `dst` must be 8-byte aligned, as every 16-byte field of the event and state types is.
+#[inline(always)]
+unsafe fn put16(dst: *mut [u8; 16], words: [u64; 2]) {
+    let p = dst as *mut u64;
+    // SAFETY: per the contract.
+    unsafe {
+        p.write(words[0]);
+        p.add(1).write(words[1]);
+    }
+}
+
+/// A compiler barrier: memory accesses are not moved across it (no instruction is emitted).
+#[inline(always)]
+fn barrier() {
+    // SAFETY: an empty asm block; without `nomem` the compiler assumes it reads and writes
+    // memory, so it keeps stores on either side in order.
+    unsafe { core::arch::asm!("", options(nostack, preserves_flags)) };
+}
+
+/// Fill the event for `t` in place (the ring slot or the staging slot).
+///
+/// # Safety
+/// `ev` must point to writable memory for one TransitionEvent.
+#[inline(always)]
+unsafe fn fill(ev: *mut TransitionEvent, t: &Transition) {
+    // SAFETY: per the contract.
+    unsafe {
+        (*ev).ts_jiffies = t.now;
+        (*ev).skaddr = t.skaddr;
+        put16(&mut (*ev).saddr, t.saddr);
+        put16(&mut (*ev).daddr, t.daddr);
+        (*ev).family = t.family;
+        (*ev).sport = t.sport;
+        (*ev).dport = t.dport;
+        (*ev).oldstate = t.oldstate;
+        (*ev).newstate = t.newstate;
+        (*ev)._pad = 0;
+        // The task on the CPU is the socket's user only for transitions out of CLOSE (connect,
+        // listen): the others mostly run in softirq context, so they skip the helper calls.
+        if t.oldstate == tcp_state::CLOSE {
+            (*ev).pid = (bpf_get_current_pid_tgid() >> 32) as u32;
+            let comm = &mut (*ev).comm;
+            if gen::bpf_get_current_comm(comm.as_mut_ptr() as *mut c_void, 16) != 0 {
+                put16(comm, [0, 0]);
+            }
+        } else {
+            (*ev).pid = 0;
+            put16(&mut (*ev).comm, [0, 0]);
+        }
+    }
 }
 
 /// Ask for a wakeup only when a lot is pending: the daemon also drains on a timer.
@@ -226,39 +286,42 @@ fn ring_flags() -> u64 {
     }
 }
 
-/// One event as its own ring record.
-#[inline(always)]
-fn send_one(event: &TransitionEvent) {
+/// One event as its own ring record (the rare path: kept out of line).
+#[inline(never)]
+fn send_one(t: &Transition) {
     match CONNREAP_EVENTS.reserve::<TransitionEvent>(0) {
         Some(mut slot) => {
-            slot.write(*event);
+            // SAFETY: a reserved slot of exactly one event.
+            unsafe { fill(slot.as_mut_ptr(), t) };
             slot.submit(ring_flags());
         }
         None => bump(counter::RING_DROPS),
     }
 }
 
-/// Append the event to this CPU's staging batch and send the batch when it is full.
+/// Write the event into this CPU's staging batch and send the batch when it is full.
 ///
 /// Only code on this CPU touches the batch, but a run can be interrupted by another (a softirq
 /// transition during a process-context one is skipped by the kernel's recursion guard, but the
 /// flush program may run from an IPI): whoever finds `busy` set leaves the batch alone and
-/// sends its event directly. The stores are volatile so they stay in program order.
+/// sends its event directly. Barriers keep the stores in program order.
 #[inline(always)]
-fn stage(event: &TransitionEvent) {
+fn stage(t: &Transition) {
     let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
-        send_one(event);
+        send_one(t);
         return;
     };
-    // SAFETY: a valid per-CPU map value; see above for why plain volatile accesses suffice.
+    // SAFETY: a valid per-CPU map value; see above for why compiler barriers suffice.
     unsafe {
         if core::ptr::read_volatile(&(*batch).busy) != 0 {
-            send_one(event);
+            send_one(t);
             return;
         }
         core::ptr::write_volatile(&mut (*batch).busy, 1);
+        barrier();
         let n = core::ptr::read_volatile(&(*batch).count) as usize & (EVENT_BATCH - 1);
-        core::ptr::write_volatile(&mut (*batch).events[n], *event);
+        fill(&mut (*batch).events[n], t);
+        barrier();
         let mut count = n as u32 + 1;
         core::ptr::write_volatile(&mut (*batch).count, count);
         if count as usize == EVENT_BATCH {
@@ -271,6 +334,7 @@ fn stage(event: &TransitionEvent) {
             count = 0;
             core::ptr::write_volatile(&mut (*batch).count, count);
         }
+        barrier();
         core::ptr::write_volatile(&mut (*batch).busy, 0);
     }
 }
@@ -382,13 +446,14 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
             rec.rx_queue = rcv_nxt.wrapping_sub(copied);
             rec.tx_queue = write_seq.wrapping_sub(snd_una);
         }
-        let now_j = unsafe { bpf_jiffies64() } as u32;
-        rec.last_rcv_jiffies = now_j.wrapping_sub(read(sk + off!(icsk_lrcvtime)));
-        rec.last_snd_jiffies = now_j.wrapping_sub(read(sk + off!(tcp_lsndtime)));
-        rec.last_ack_jiffies = now_j.wrapping_sub(read(sk + off!(tcp_rcv_tstamp)));
+        let now_j = unsafe { bpf_jiffies64() };
+        let now32 = now_j as u32;
+        rec.last_rcv_jiffies = now32.wrapping_sub(read(sk + off!(icsk_lrcvtime)));
+        rec.last_snd_jiffies = now32.wrapping_sub(read(sk + off!(tcp_lsndtime)));
+        rec.last_ack_jiffies = now32.wrapping_sub(read(sk + off!(tcp_rcv_tstamp)));
         if let Some(entry) = unsafe { CONNREAP_STATE.get(&sk) } {
             if entry.state == state {
-                rec.state_since_ns = entry.since_ns;
+                rec.state_age_jiffies = (now_j as u64).wrapping_sub(entry.since_jiffies);
                 rec.flags |= sock_flags::SINCE_KNOWN;
             }
         }

@@ -23,8 +23,8 @@ use std::{
 use aya::{
     maps::{Map, MapData, PerCpuArray},
     programs::{
-        links::{FdLink, LinkError, PinnedLink},
-        Iter, RawTracePoint, TracePoint,
+        links::{FdLink, PinnedLink},
+        BtfTracePoint, Iter, RawTracePoint,
     },
     Btf, Ebpf, EbpfLoader,
 };
@@ -318,8 +318,8 @@ impl Kernel {
             .map_err(|e| KernelError::Load(full_chain(&e)))?;
 
         let mut loaded = Loaded { ebpf, verbose };
-        loaded.attach_tracker(&pin_dir.join("link"))?;
         let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+        loaded.attach_tracker(&pin_dir.join("link"), &btf)?;
         for (prog, iter_type, pin) in [
             (names::PROG_ITER_TCP, "tcp", pin_dir.join("iter_tcp")),
             (
@@ -384,30 +384,25 @@ impl Loaded {
     }
 
     /// Attach the state-change tracepoint unless a pinned link from an earlier run is alive.
-    fn attach_tracker(&mut self, link_pin: &Path) -> Result<(), KernelError> {
+    fn attach_tracker(&mut self, link_pin: &Path, btf: &Btf) -> Result<(), KernelError> {
         if PinnedLink::from_pin(link_pin).is_ok() {
             // The pinned tracker keeps running; this load's copy of the program stays unattached.
             return Ok(());
         }
         let _ = fs::remove_file(link_pin);
         let verbose = self.verbose;
-        let tp: &mut TracePoint = self.program(names::PROG_STATE)?;
-        tp.load()
+        let tp: &mut BtfTracePoint = self.program(names::PROG_STATE)?;
+        tp.load("inet_sock_set_state", btf)
             .map_err(|e| program_error(verbose, names::PROG_STATE, e))?;
-        let id = tp
-            .attach("sock", "inet_sock_set_state")
-            .map_err(|e| KernelError::Program {
-                program: names::PROG_STATE,
-                reason: full_chain(&e),
-                hint: String::new(),
-            })?;
+        let id = tp.attach().map_err(|e| KernelError::Program {
+            program: names::PROG_STATE,
+            reason: full_chain(&e),
+            hint: String::new(),
+        })?;
         let link = tp
             .take_link(id)
             .map_err(|e| KernelError::Load(e.to_string()))?;
-        let fd_link: FdLink = link.try_into().map_err(|e: LinkError| KernelError::Pin {
-            path: link_pin.display().to_string(),
-            reason: format!("tracepoint link cannot be pinned: {e}"),
-        })?;
+        let fd_link: FdLink = link.into();
         match fd_link.pin(link_pin) {
             Ok(_) => Ok(()),
             // Another connreap pinned its tracker at the same moment: ours detaches on drop.

@@ -105,7 +105,7 @@ impl<'a> TableBuilder<'a> {
         };
         let (age, age_exact) = if s.flags & sock_flags::SINCE_KNOWN != 0 {
             (
-                Duration::from_nanos(s.now_ns.saturating_sub(s.state_since_ns)),
+                Duration::from_nanos(s.state_age_jiffies.saturating_mul(1_000_000_000) / hz),
                 true,
             )
         } else {
@@ -250,7 +250,7 @@ mod tests {
         listen.flags = sock_flags::FULL;
         let mut accepted = rec(2, tcp_state::CLOSE_WAIT, 8080, 40000);
         accepted.flags |= sock_flags::SINCE_KNOWN;
-        accepted.state_since_ns = 40_000_000_000;
+        accepted.state_age_jiffies = 15_000; // 60 s at HZ=250
         accepted.last_rcv_jiffies = 2500; // 10 s at HZ=250
         accepted.last_snd_jiffies = 500; // 2 s
         let client = rec(3, tcp_state::FIN_WAIT2, 40000, 8080);
@@ -292,12 +292,12 @@ mod tests {
         listen.flags = sock_flags::FULL;
         let mut cw = rec(2, tcp_state::CLOSE_WAIT, 8080, 40000);
         cw.flags |= sock_flags::SINCE_KNOWN;
-        cw.state_since_ns = 40_000_000_000;
+        cw.state_age_jiffies = 15_000;
         cw.last_rcv_jiffies = 2500;
         cw.last_snd_jiffies = 500;
         let mut tw = rec(3, tcp_state::TIME_WAIT, 40001, 8080);
         tw.flags = sock_flags::SINCE_KNOWN;
-        tw.state_since_ns = 99_998_000_000;
+        tw.state_age_jiffies = 1; // one tick: 4 ms
         tw.cookie = 42;
         let t = build(
             &[listen, cw, tw],
@@ -312,7 +312,7 @@ mod tests {
         );
         assert_eq!(
             serde_json::to_string(&t[2]).unwrap(),
-            r#"{"inode":1003,"cookie":42,"local":"127.0.0.1:40001","peer":"127.0.0.1:8080","state":"TIME_WAIT","age_secs":0.002,"age_exact":true,"idle_secs":null,"last_recv_secs":null,"last_send_secs":null,"rx_queue":0,"tx_queue":0,"uid":0,"direction":"outbound","service_port":8080}"#
+            r#"{"inode":1003,"cookie":42,"local":"127.0.0.1:40001","peer":"127.0.0.1:8080","state":"TIME_WAIT","age_secs":0.004,"age_exact":true,"idle_secs":null,"last_recv_secs":null,"last_send_secs":null,"rx_queue":0,"tx_queue":0,"uid":0,"direction":"outbound","service_port":8080}"#
         );
     }
 

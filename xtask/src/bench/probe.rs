@@ -235,7 +235,7 @@ fn tracker_profile(ctx: &Ctx, h: &NsHandle) -> Result<(Vec<String>, Vec<String>,
     let total: f64 = parts.iter().map(|p| p.1).sum();
     let inside: f64 = parts
         .iter()
-        .filter(|p| !p.0.starts_with("classic"))
+        .filter(|p| !p.0.starts_with("tracepoint dispatch"))
         .map(|p| p.1)
         .sum();
     let mut details = vec![format!(
@@ -251,7 +251,7 @@ fn tracker_profile(ctx: &Ctx, h: &NsHandle) -> Result<(Vec<String>, Vec<String>,
     if inside > 0.0 {
         let mut by: Vec<&(&str, f64, Vec<String>)> = parts
             .iter()
-            .filter(|p| !p.0.starts_with("classic"))
+            .filter(|p| !p.0.starts_with("tracepoint dispatch"))
             .collect();
         by.sort_by(|a, b| b.1.total_cmp(&a.1));
         let split: Vec<String> = by
@@ -272,10 +272,10 @@ fn tracker_profile(ctx: &Ctx, h: &NsHandle) -> Result<(Vec<String>, Vec<String>,
             by[0].2.join(", ")
         ));
     }
-    // The dispatch (perf_trace_* building the record, trace_call_bpf) is outside run_time_ns.
+    // The dispatch (the tracepoint's iterator and bpf_trace_run) is outside run_time_ns.
     let dispatch = parts
         .iter()
-        .find(|p| p.0.starts_with("classic"))
+        .find(|p| p.0.starts_with("tracepoint dispatch"))
         .map(|p| p.1);
     let dispatch_ns = match (dispatch, ctx.set_state_ns) {
         (Some(d), Some(ns)) if inside > 0.0 => Some(ns * d / inside),
@@ -283,7 +283,7 @@ fn tracker_profile(ctx: &Ctx, h: &NsHandle) -> Result<(Vec<String>, Vec<String>,
     };
     if let Some(d) = dispatch_ns {
         details.push(format!(
-            "\nBy the same proportions, the classic tracepoint's dispatch (outside the program, not \
+            "\nBy the same proportions, the BTF tracepoint's dispatch (outside the program, not \
              in run_time_ns) adds about {d:.0} ns per transition."
         ));
     }

@@ -186,6 +186,7 @@ impl Profile {
                 &[
                     "bpf_get_current",
                     "bpf_ktime",
+                    "bpf_jiffies64",
                     "ktime_get_mono_fast",
                     "bpf_probe_read",
                     "copy_from_kernel_nofault",
@@ -193,15 +194,14 @@ impl Profile {
                 ],
             ),
             (
-                "classic tracepoint dispatch (perf_trace + trace_call_bpf)",
+                "tracepoint dispatch (__traceiter + bpf_trace_run)",
                 &[
+                    "__traceiter_inet_sock",
+                    "__bpf_trace_inet_sock",
+                    "bpf_trace_run",
                     "perf_trace_",
                     "trace_call_bpf",
-                    "perf_trace_buf",
                     "bpf_prog_run_array",
-                    "trace_event_raw_event_inet_sock",
-                    "__traceiter_inet_sock",
-                    "perf_fetch_caller",
                 ],
             ),
             (
