@@ -29,6 +29,11 @@ pub static LICENSE: [u8; 4] = *b"GPL\0";
 pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
 
 /// Per-socket state and the jiffy it was entered, keyed by the kernel socket address.
+///
+/// Allocated on demand, so its kernel memory follows the number of tracked sockets (≈ 4 MB of
+/// buckets + ≈ 128 B per socket, exported as `connreap_bpf_map_memory_bytes`). A preallocated
+/// map would cost a fixed ≈ 31 MB; measured side by side under churn it was not reliably faster
+/// on this machine (BENCHMARKS.md).
 #[map(name = "CONNREAP_STATE")]
 static CONNREAP_STATE: HashMap<u64, StateEntry> =
     HashMap::pinned(STATE_MAP_ENTRIES, BPF_F_NO_PREALLOC);

@@ -41,6 +41,11 @@ pub struct ProgramLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MapLabels {
+    pub map: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct MechanismLabels {
     pub mechanism: String,
 }
@@ -52,6 +57,7 @@ pub struct Metrics {
     transitions: Counter,
     ring_drops: Counter,
     map_full: Counter,
+    map_memory: Family<MapLabels, Gauge>,
     last_kernel: Mutex<Counters>,
     pub events_read: Counter,
     webhook_sends: Family<ResultLabels, Counter>,
@@ -81,6 +87,7 @@ impl Metrics {
             transitions: Counter::default(),
             ring_drops: Counter::default(),
             map_full: Counter::default(),
+            map_memory: Family::default(),
             last_kernel: Mutex::new(Counters::default()),
             events_read: Counter::default(),
             webhook_sends: Family::default(),
@@ -115,6 +122,11 @@ impl Metrics {
             "bpf_map_full",
             "Sockets not tracked because the state map was full",
             m.map_full.clone(),
+        );
+        registry.register(
+            "bpf_map_memory_bytes",
+            "Kernel memory of each BPF map (the kernel's memlock accounting)",
+            m.map_memory.clone(),
         );
         registry.register(
             "events_read",
@@ -202,6 +214,13 @@ impl Metrics {
             .inc_by(now.ring_drops.saturating_sub(last.ring_drops));
         self.map_full
             .inc_by(now.map_full.saturating_sub(last.map_full));
+        for (map, bytes) in &now.map_memory {
+            self.map_memory
+                .get_or_create(&MapLabels {
+                    map: map.to_string(),
+                })
+                .set(*bytes as i64);
+        }
         *last = now;
     }
 
@@ -253,11 +272,13 @@ mod tests {
             transitions: 10,
             ring_drops: 1,
             map_full: 0,
+            map_memory: vec![("state", 100)],
         });
         m.observe_kernel(Counters {
             transitions: 15,
             ring_drops: 1,
             map_full: 0,
+            map_memory: vec![("state", 31_458_464), ("events", 4_223_304)],
         });
         m.webhook_sent(false);
         let text = m.render();
@@ -268,6 +289,10 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("connreap_tcp_transitions_total 15"), "{text}");
+        assert!(
+            text.contains(r#"connreap_bpf_map_memory_bytes{map="state"} 31458464"#),
+            "{text}"
+        );
         assert!(
             text.contains(r#"connreap_webhook_sends_total{result="error"} 1"#),
             "{text}"

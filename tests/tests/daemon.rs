@@ -932,6 +932,12 @@ storm_growth_windows = 0"#,
         agent.stderr()
     );
     drop(held);
+    // The kernel side's memory is visible: the event ring (4 MiB) and the state map's buckets.
+    for (map, at_least) in [("events", 4 << 20), ("state", 1 << 20)] {
+        let series = format!(r#"connreap_bpf_map_memory_bytes{{map="{map}"}}"#);
+        let bytes = agent.metric(&series).unwrap_or(0.0);
+        assert!(bytes >= at_least as f64, "{series} = {bytes}");
+    }
     agent.assert_healthy();
 }
 

@@ -10,6 +10,7 @@ pub mod destroy;
 pub mod diag;
 pub mod events;
 mod hz;
+mod memory;
 pub mod offsets;
 
 use std::{
@@ -71,11 +72,13 @@ pub enum KernelError {
 }
 
 /// Drop counters kept by the BPF side (summed over CPUs).
-#[derive(Debug, Default, Clone, Copy, serde::Serialize)]
+#[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct Counters {
     pub transitions: u64,
     pub ring_drops: u64,
     pub map_full: u64,
+    /// Kernel memory of each shared map (pin name, bytes).
+    pub map_memory: Vec<(&'static str, u64)>,
 }
 
 /// Run-time statistics of one BPF program (non-zero only while kernel.bpf_stats_enabled=1).
@@ -470,6 +473,7 @@ impl Kernel {
             transitions: sum(counter::TRANSITIONS),
             ring_drops: sum(counter::RING_DROPS),
             map_full: sum(counter::MAP_FULL),
+            map_memory: memory::map_memory(&self.pin_dir),
         })
     }
 

@@ -121,6 +121,15 @@ impl Scrape {
         })
     }
 
+    /// Sum of every series named `name`, whatever its labels.
+    pub fn sum(&self, name: &str) -> f64 {
+        self.0
+            .iter()
+            .filter(|(k, _)| k.split_once('{').map_or(k.as_str(), |(n, _)| n) == name)
+            .map(|(_, v)| v)
+            .sum()
+    }
+
     pub fn scans(&self) -> f64 {
         self.get("connreap_scan_duration_seconds_count", None)
             .unwrap_or(0.0)

@@ -100,11 +100,12 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
         name: format!("daemon memory @ {held} sockets ({tag})"),
         result: format!("{rss_mb:.1} MB VmRSS"),
         figures: format!(
-            "largest VmRSS sampled once per scan; {:.1} MB after 3 scans, {:.1} MB after {scans:.0} more; VmHWM {:.1} MB; idle daemon {}",
+            "largest VmRSS sampled once per scan; {:.1} MB after 3 scans, {:.1} MB after {scans:.0} more; VmHWM {:.1} MB; idle daemon {}; kernel-side BPF maps {:.1} MB",
             mb(rss_a),
             mb(rss_b),
             mb(hwm),
-            idle.map(|m| format!("{m:.1} MB")).unwrap_or("-".into())
+            idle.map(|m| format!("{m:.1} MB")).unwrap_or("-".into()),
+            m1.sum("connreap_bpf_map_memory_bytes") / 1048576.0
         ),
         target: format!("≤ {RSS_TARGET_MB} MB"),
         verdict: Verdict::of(rss_mb <= RSS_TARGET_MB),
@@ -118,6 +119,18 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
             series_txt.join(", ")
         ),
         format!("At the end: {kinds_end}."),
+        format!(
+            "Kernel side (not in VmRSS, the kernel's own accounting from /metrics \
+             `connreap_bpf_map_memory_bytes`): {:.1} MB of BPF maps, of which the per-socket \
+             state map (allocated per tracked socket) is {:.1} MB and the event ring {:.1} MB.",
+            m1.sum("connreap_bpf_map_memory_bytes") / 1048576.0,
+            m1.get("connreap_bpf_map_memory_bytes", Some("map=\"state\""))
+                .unwrap_or(0.0)
+                / 1048576.0,
+            m1.get("connreap_bpf_map_memory_bytes", Some("map=\"events\""))
+                .unwrap_or(0.0)
+                / 1048576.0,
+        ),
     ];
     if let (Some(idle), Some(k)) = (idle, &ctx.idle_kinds) {
         facts.push(format!(
