@@ -181,7 +181,13 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
             state: newstate,
             _pad: 0,
         };
-        if let Some(existing) = CONNREAP_STATE.get_ptr_mut(&t.skaddr) {
+        if oldstate == tcp_state::CLOSE || oldstate == tcp_state::LISTEN {
+            // A new socket (connect, listen, or a child cloned from a listener): insert without
+            // looking up first (BPF_ANY also replaces a stale record at a reused address).
+            if CONNREAP_STATE.insert(&t.skaddr, &entry, 0).is_err() {
+                bump(counter::MAP_FULL);
+            }
+        } else if let Some(existing) = CONNREAP_STATE.get_ptr_mut(&t.skaddr) {
             // Update in place: no allocation for sockets already tracked.
             // SAFETY: a valid map value pointer; a concurrent reader may see a torn update,
             // which the iterator tolerates (it only uses since_jiffies when the state matches).
@@ -388,6 +394,65 @@ pub fn connreap_iter_tcp(ctx: *mut c_void) -> i32 {
     0
 }
 
+/// What only a full socket has (zero for mini sockets).
+#[derive(Default)]
+struct FullSock {
+    flags: u8,
+    inode: u64,
+    queues: (u32, u32),
+    /// Jiffies since the last data received, sent, and ACK received.
+    idle: [u32; 3],
+    state_age_jiffies: u64,
+}
+
+/// Fields of a full TCP socket: direct loads through the helper's tcp_sock view.
+#[inline(always)]
+fn full_sock(sk: u64, tp: *const u8, state: u8) -> FullSock {
+    let socket: u64 = sk_field(tp, off!(sk_socket));
+    // struct socket's inode lies outside struct socket: a checked read.
+    let inode = if socket != 0 {
+        read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino))
+    } else {
+        0
+    };
+    let queues = if state == tcp_state::LISTEN {
+        (
+            sk_field(tp, off!(sk_ack_backlog)),
+            sk_field(tp, off!(sk_max_ack_backlog)),
+        )
+    } else {
+        let rcv_nxt: u32 = sk_field(tp, off!(tcp_rcv_nxt));
+        let copied: u32 = sk_field(tp, off!(tcp_copied_seq));
+        let write_seq: u32 = sk_field(tp, off!(tcp_write_seq));
+        let snd_una: u32 = sk_field(tp, off!(tcp_snd_una));
+        (
+            rcv_nxt.wrapping_sub(copied),
+            write_seq.wrapping_sub(snd_una),
+        )
+    };
+    let now_j = unsafe { bpf_jiffies64() };
+    let now32 = now_j as u32;
+    let idle = [
+        now32.wrapping_sub(sk_field(tp, off!(icsk_lrcvtime))),
+        now32.wrapping_sub(sk_field(tp, off!(tcp_lsndtime))),
+        now32.wrapping_sub(sk_field(tp, off!(tcp_rcv_tstamp))),
+    ];
+    let mut out = FullSock {
+        flags: sock_flags::FULL,
+        inode,
+        queues,
+        idle,
+        state_age_jiffies: 0,
+    };
+    if let Some(entry) = unsafe { CONNREAP_STATE.get(&sk) } {
+        if entry.state == state {
+            out.state_age_jiffies = now_j.wrapping_sub(entry.since_jiffies);
+            out.flags |= sock_flags::SINCE_KNOWN;
+        }
+    }
+    out
+}
+
 fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     if off!(valid) != KernelOffsets::MAGIC as u64 {
         return Err(-1);
@@ -403,66 +468,62 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     // SAFETY: meta points at struct bpf_iter_meta whose first member is the seq_file.
     let seq = unsafe { *(meta as *const u64) };
 
-    let family: u16 = read(sk + off!(skc_family));
-    let mut state: u8 = read(sk + off!(skc_state));
-    if state == tcp_state::TIME_WAIT {
+    // sock_common fields are direct loads (ctx->sk_common is a trusted BTF pointer), like the
+    // tracker's; fields past sock_common go through the helpers' typed views below.
+    let skc = sk as *const u8;
+    let family: u16 = sk_field(skc, off!(skc_family));
+    let mini: u8 = sk_field(skc, off!(skc_state));
+    let state = if mini == tcp_state::TIME_WAIT {
         // Orphaned FIN_WAIT2 sockets live on as timewait sockets too; report the real state.
-        state = read(sk + off!(tw_substate));
-    }
-    let mut rec = SockRecord {
-        skaddr: sk,
-        now_ns: unsafe { bpf_ktime_get_ns() },
-        family,
-        state,
-        uid,
-        sport: read(sk + off!(skc_num)),
-        dport: u16::from_be(read(sk + off!(skc_dport))),
-        cookie: read(sk + off!(skc_cookie)),
-        ..Default::default()
+        read(sk + off!(tw_substate))
+    } else {
+        mini
     };
-    if family == AF_INET {
-        let s: [u8; 4] = read(sk + off!(skc_rcv_saddr));
-        let d: [u8; 4] = read(sk + off!(skc_daddr));
-        rec.saddr[..4].copy_from_slice(&s);
-        rec.daddr[..4].copy_from_slice(&d);
+    let (saddr, daddr) = if family == AF_INET {
+        let s: u32 = sk_field(skc, off!(skc_rcv_saddr));
+        let d: u32 = sk_field(skc, off!(skc_daddr));
+        ([s as u64, 0], [d as u64, 0])
     } else if family == AF_INET6 {
-        rec.saddr = read(sk + off!(skc_v6_rcv_saddr));
-        rec.daddr = read(sk + off!(skc_v6_daddr));
+        (
+            addr16(skc, off!(skc_v6_rcv_saddr)),
+            addr16(skc, off!(skc_v6_daddr)),
+        )
     } else {
         return Ok(());
-    }
-
+    };
     // TIME_WAIT and NEW_SYN_RECV entries are mini sockets: only sock_common is valid.
-    let mini: u8 = read(sk + off!(skc_state));
-    if mini != tcp_state::TIME_WAIT && mini != tcp_state::NEW_SYN_RECV {
-        rec.flags |= sock_flags::FULL;
-        let socket: u64 = read(sk + off!(sk_socket));
-        if socket != 0 {
-            rec.inode = read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino));
-        }
-        if state == tcp_state::LISTEN {
-            rec.rx_queue = read(sk + off!(sk_ack_backlog));
-            rec.tx_queue = read(sk + off!(sk_max_ack_backlog));
-        } else {
-            let rcv_nxt: u32 = read(sk + off!(tcp_rcv_nxt));
-            let copied: u32 = read(sk + off!(tcp_copied_seq));
-            let write_seq: u32 = read(sk + off!(tcp_write_seq));
-            let snd_una: u32 = read(sk + off!(tcp_snd_una));
-            rec.rx_queue = rcv_nxt.wrapping_sub(copied);
-            rec.tx_queue = write_seq.wrapping_sub(snd_una);
-        }
-        let now_j = unsafe { bpf_jiffies64() };
-        let now32 = now_j as u32;
-        rec.last_rcv_jiffies = now32.wrapping_sub(read(sk + off!(icsk_lrcvtime)));
-        rec.last_snd_jiffies = now32.wrapping_sub(read(sk + off!(tcp_lsndtime)));
-        rec.last_ack_jiffies = now32.wrapping_sub(read(sk + off!(tcp_rcv_tstamp)));
-        if let Some(entry) = unsafe { CONNREAP_STATE.get(&sk) } {
-            if entry.state == state {
-                rec.state_age_jiffies = (now_j as u64).wrapping_sub(entry.since_jiffies);
-                rec.flags |= sock_flags::SINCE_KNOWN;
-            }
-        }
-    }
+    // SAFETY: sk is the iterator's socket; the helper returns NULL unless it is a full TCP
+    // socket, and a trusted tcp_sock pointer (struct sock at offset 0) otherwise.
+    let tp = if mini != tcp_state::TIME_WAIT && mini != tcp_state::NEW_SYN_RECV {
+        unsafe { gen::bpf_skc_to_tcp_sock(sk as *mut c_void) as *const u8 }
+    } else {
+        core::ptr::null()
+    };
+    let full = if tp.is_null() {
+        FullSock::default()
+    } else {
+        full_sock(sk, tp, state)
+    };
+    let rec = SockRecord {
+        skaddr: sk,
+        inode: full.inode,
+        cookie: sk_field(skc, off!(skc_cookie)),
+        state_age_jiffies: full.state_age_jiffies,
+        now_ns: unsafe { bpf_ktime_get_ns() },
+        saddr: bytes16(saddr),
+        daddr: bytes16(daddr),
+        family,
+        sport: sk_field(skc, off!(skc_num)),
+        dport: u16::from_be(sk_field(skc, off!(skc_dport))),
+        state,
+        flags: full.flags,
+        uid,
+        rx_queue: full.queues.0,
+        tx_queue: full.queues.1,
+        last_rcv_jiffies: full.idle[0],
+        last_snd_jiffies: full.idle[1],
+        last_ack_jiffies: full.idle[2],
+    };
 
     // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.
     let ret = unsafe {
