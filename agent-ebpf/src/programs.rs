@@ -127,6 +127,8 @@ const NO_MAP: bool = variant_is("no-map");
 const NO_RING: bool = variant_is("no-ring");
 /// One ring record per transition (the design before per-CPU batches).
 const UNBATCHED: bool = variant_is("unbatched");
+/// Stamps transitions with bpf_ktime_get_ns instead of jiffies (ages are wrong: cost only).
+const KTIME: bool = variant_is("ktime");
 
 fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     let sk: *const u8 = ctx.arg(0);
@@ -156,7 +158,11 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     let t = Transition {
         // Jiffies, not bpf_ktime_get_ns: a plain load instead of a clock read, and the unit of
         // the kernel's own TCP timestamps that the iterator reports idle times in.
-        now: unsafe { bpf_jiffies64() },
+        now: if KTIME {
+            unsafe { bpf_ktime_get_ns() }
+        } else {
+            unsafe { bpf_jiffies64() }
+        },
         skaddr: sk as u64,
         saddr,
         daddr,

@@ -8,7 +8,7 @@ use anyhow::{Context, Result};
 use super::{agent, sys::NsHandle, Ctx};
 
 /// (variant, what that build of connreap_set_state does). "full" is the shipped program.
-pub const VARIANTS: [(&str, &str); 5] = [
+pub const VARIANTS: [(&str, &str); 6] = [
     (
         "full",
         "the shipped program: state map + events staged per CPU, one ring record per 32",
@@ -22,6 +22,10 @@ pub const VARIANTS: [(&str, &str); 5] = [
     (
         "unbatched",
         "state map + one ring record per transition (the design before per-CPU batches)",
+    ),
+    (
+        "ktime",
+        "the shipped program stamping transitions with bpf_ktime_get_ns instead of jiffies",
     ),
 ];
 const ROUNDS: usize = 3;
@@ -93,7 +97,8 @@ pub fn measure(
          (full {:.0} − no-ring {:.0}), the state map ≈ {:.0} ns/run (full − no-map {:.0}), and \
          the floor with neither (entry, bpf_stats accounting, one load, one counter) is {:.0} \
          ns/run. Sending each transition as its own ring record instead of per-CPU batches \
-         costs {:.0} ns/run ({:+.0}).",
+         costs {:.0} ns/run ({:+.0}); stamping with bpf_ktime_get_ns instead of jiffies {:.0} \
+         ns/run ({:+.0}).",
         med[0] - med[1],
         med[0],
         med[1],
@@ -101,7 +106,9 @@ pub fn measure(
         med[2],
         med[3],
         med[4],
-        med[4] - med[0]
+        med[4] - med[0],
+        med[5],
+        med[5] - med[0]
     );
     Ok((lines, diagnosis))
 }
