@@ -574,25 +574,29 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
         return Ok(());
     }
     // SAFETY: `file` is the trusted pointer from the iterator context.
-    let socket = unsafe { bpf_sock_from_file(file) } as u64;
-    if socket == 0 {
+    let socket = unsafe { bpf_sock_from_file(file) } as *const u8;
+    if socket.is_null() {
         return Ok(());
     }
-    let sk: u64 = read(socket + off!(socket_sk));
+    // Direct BTF-checked loads, as in the tracker: socket->sk, then the sock's fields, then
+    // the task's (ctx->task is a trusted task_struct pointer).
+    let sk: u64 = sk_field(socket, off!(socket_sk));
     if sk == 0 {
         return Ok(());
     }
-    let protocol: u16 = read(sk + off!(sk_protocol));
-    let family: u16 = read(sk + off!(skc_family));
+    let skp = sk as *const u8;
+    let protocol: u16 = sk_field(skp, off!(sk_protocol));
+    let family: u16 = sk_field(skp, off!(skc_family));
     if protocol != IPPROTO_TCP || (family != AF_INET && family != AF_INET6) {
         return Ok(());
     }
     let seq = unsafe { *(meta as *const u64) };
+    let t = task as *const u8;
     let rec = OwnerRecord {
         skaddr: sk,
-        tgid: read(task + off!(task_tgid)),
+        tgid: sk_field(t, off!(task_tgid)),
         fd,
-        comm: read(task + off!(task_comm)),
+        comm: bytes16(addr16(t, off!(task_comm))),
     };
     let ret = unsafe {
         bpf_seq_write(
