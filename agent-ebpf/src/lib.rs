@@ -227,6 +227,8 @@ pub struct EventBatch {
     pub count: u32,
     /// Non-zero while a program on this CPU is changing the batch.
     pub busy: u32,
+    /// Ring producer position / 256 KiB when this CPU last asked for a wakeup (staging only).
+    pub wake_mark: u64,
     pub events: [TransitionEvent; EVENT_BATCH],
 }
 
@@ -321,7 +323,7 @@ mod pod {
 const _: () = assert!(core::mem::size_of::<StateEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<TransitionEvent>() == 80);
 const _: () = assert!(core::mem::size_of::<SockRecord>() == 104);
-const _: () = assert!(core::mem::size_of::<EventBatch>() == 8 + 80 * EVENT_BATCH);
+const _: () = assert!(core::mem::size_of::<EventBatch>() == 16 + 80 * EVENT_BATCH);
 const _: () = assert!(EVENT_BATCH.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);

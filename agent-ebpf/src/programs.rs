@@ -5,7 +5,10 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    bindings::{BPF_F_NO_PREALLOC, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP},
+    bindings::{
+        BPF_F_NO_PREALLOC, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP,
+        BPF_RB_PROD_POS,
+    },
     helpers::{
         bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns, bpf_probe_read_kernel,
         generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
@@ -94,8 +97,8 @@ fn sk_field<T: Copy>(sk: *const u8, off: u64) -> T {
     unsafe { core::ptr::read_volatile(sk.add(off as usize) as *const T) }
 }
 
-/// Wake the ring reader only when this much is pending: the daemon also drains on a timer, so
-/// most transitions cost no wakeup.
+/// Wake the ring reader once per this much ring traffic (the daemon also drains on a timer, so
+/// most batches cost no wakeup).
 const WAKEUP_BYTES: u64 = 256 * 1024;
 
 /// Bench-only build variants of the tracker, to measure what each part of it costs
@@ -303,6 +306,27 @@ fn ring_flags() -> u64 {
     }
 }
 
+/// The wakeup decision for a full batch: wake the reader each time the ring's producer position
+/// crosses another WAKEUP_BYTES since this CPU last did. Reading the producer position (just
+/// written by this CPU's previous output) costs no cache miss, where the pending-data query
+/// reads the consumer position the reader's CPU writes.
+///
+/// # Safety
+/// `batch` is this CPU's staging batch, held busy by the caller.
+#[inline(always)]
+unsafe fn batch_ring_flags(batch: *mut EventBatch) -> u64 {
+    let mark = CONNREAP_EVENTS.query(BPF_RB_PROD_POS as u64) / WAKEUP_BYTES;
+    // SAFETY: per the contract.
+    unsafe {
+        if mark != (*batch).wake_mark {
+            (*batch).wake_mark = mark;
+            BPF_RB_FORCE_WAKEUP as u64
+        } else {
+            BPF_RB_NO_WAKEUP as u64
+        }
+    }
+}
+
 /// One event as its own ring record (the rare path: kept out of line).
 #[inline(never)]
 fn send_one(t: &Transition) {
@@ -343,7 +367,7 @@ fn stage(t: &Transition) {
         core::ptr::write_volatile(&mut (*batch).count, count);
         if count as usize == EVENT_BATCH {
             if CONNREAP_EVENTS
-                .output::<EventBatch>(&*batch, ring_flags())
+                .output::<EventBatch>(&*batch, batch_ring_flags(batch))
                 .is_err()
             {
                 bump_by(counter::RING_DROPS, EVENT_BATCH as u64);

@@ -179,6 +179,7 @@ mod tests {
         let mut batch = EventBatch {
             count: 3,
             busy: 0,
+            wake_mark: 0,
             events: [ev(99); EVENT_BATCH],
         };
         for i in 0..3 {
