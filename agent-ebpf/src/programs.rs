@@ -1,26 +1,23 @@
-//! The programs: a BTF tracepoint keeping per-socket state and ages, an `iter/tcp` dump of the
-//! socket table, and an `iter/task_file` dump of socket owners. Each is a thin entry that calls a
-//! `try_*` function; kernel memory is read with `bpf_probe_read_kernel` at offsets the loader
-//! resolved from the running kernel's BTF (`CONNREAP_OFFSETS`), never at build-time offsets.
+//! The maps and shared helpers, and the two dump programs: an `iter/tcp` dump of the socket
+//! table and an `iter/task_file` dump of socket owners (the state tracker is in `tracker.rs`).
+//! Each program is a thin entry that calls a `try_*` function. Kernel memory is read at offsets
+//! the loader resolved from the running kernel's BTF (`CONNREAP_OFFSETS`), never at build-time
+//! offsets: by direct loads through trusted BTF pointers where the verifier can check them, by
+//! `bpf_probe_read_kernel` elsewhere.
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    bindings::{
-        BPF_F_NO_PREALLOC, BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP,
-        BPF_RB_PROD_POS,
-    },
+    bindings::BPF_F_NO_PREALLOC,
     helpers::{
-        bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_jiffies64, bpf_ktime_get_ns, bpf_probe_read_kernel,
         generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
     },
-    macros::{btf_tracepoint, map, raw_tracepoint},
+    macros::map,
     maps::{HashMap, PerCpuArray, RingBuf},
-    programs::{BtfTracePointContext, RawTracePointContext},
 };
 use connreap_ebpf::{
     counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
-    TransitionEvent, AF_INET, AF_INET6, EVENTS_RING_BYTES, EVENT_BATCH, IPPROTO_TCP,
-    STATE_MAP_ENTRIES,
+    AF_INET, AF_INET6, EVENTS_RING_BYTES, IPPROTO_TCP, STATE_MAP_ENTRIES,
 };
 
 #[no_mangle]
@@ -38,15 +35,15 @@ pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
 /// map would cost a fixed ≈ 31 MB; measured side by side under churn it was not reliably faster
 /// on this machine (BENCHMARKS.md).
 #[map(name = "CONNREAP_STATE")]
-static CONNREAP_STATE: HashMap<u64, StateEntry> =
+pub(crate) static CONNREAP_STATE: HashMap<u64, StateEntry> =
     HashMap::pinned(STATE_MAP_ENTRIES, BPF_F_NO_PREALLOC);
 
 #[map(name = "CONNREAP_EVENTS")]
-static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
+pub(crate) static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
 
 /// Per-CPU staging batch of transition events (see [`EventBatch`]).
 #[map(name = "CONNREAP_STAGING")]
-static CONNREAP_STAGING: PerCpuArray<EventBatch> = PerCpuArray::pinned(1, 0);
+pub(crate) static CONNREAP_STAGING: PerCpuArray<EventBatch> = PerCpuArray::pinned(1, 0);
 
 #[map(name = "CONNREAP_COUNTERS")]
 static CONNREAP_COUNTERS: PerCpuArray<u64> = PerCpuArray::pinned(counter::COUNT, 0);
@@ -60,12 +57,12 @@ macro_rules! off {
 }
 
 #[inline(always)]
-fn bump(index: u32) {
+pub(crate) fn bump(index: u32) {
     bump_by(index, 1)
 }
 
 #[inline(always)]
-fn bump_by(index: u32, n: u64) {
+pub(crate) fn bump_by(index: u32, n: u64) {
     if let Some(slot) = CONNREAP_COUNTERS.get_ptr_mut(index) {
         // SAFETY: per-CPU slot, no concurrent writer on this CPU.
         unsafe { *slot += n };
@@ -78,339 +75,26 @@ pub(crate) fn read<T: Default>(addr: u64) -> T {
     unsafe { bpf_probe_read_kernel(addr as *const T) }.unwrap_or_default()
 }
 
-// ---------------------------------------------------------------------------------------------
-// BTF tracepoint inet_sock_set_state(const struct sock *sk, int oldstate, int newstate).
-// ---------------------------------------------------------------------------------------------
-#[btf_tracepoint(function = "inet_sock_set_state")]
-pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
-    let _ = try_set_state(&ctx);
-    0
-}
-
 /// A field of the socket the tracepoint passes, loaded directly: `sk` is a trusted BTF pointer
 /// and `off` a value of the frozen `.rodata` (a constant to the verifier), so the verifier checks
 /// the load against the running kernel's own `struct sock`; no helper call.
 #[inline(always)]
-fn sk_field<T: Copy>(sk: *const u8, off: u64) -> T {
+pub(crate) fn sk_field<T: Copy>(sk: *const u8, off: u64) -> T {
     // SAFETY: see above; the verifier rejects the program if the offset is not a field of T's
     // size inside struct sock.
     unsafe { core::ptr::read_volatile(sk.add(off as usize) as *const T) }
 }
 
-/// Wake the ring reader once per this much ring traffic (the daemon also drains on a timer, so
-/// most batches cost no wakeup).
-const WAKEUP_BYTES: u64 = 256 * 1024;
-
-/// Bench-only build variants of the tracker, to measure what each part of it costs
-/// (`cargo xtask bench --probe-parts` builds one object per variant). Normal builds never set
-/// `CONNREAP_PROBE_VARIANT`: these are compile-time constants and the checks compile away.
-const VARIANT: &str = match option_env!("CONNREAP_PROBE_VARIANT") {
-    Some(v) => v,
-    None => "full",
-};
-const fn variant_is(name: &str) -> bool {
-    let (a, b) = (VARIANT.as_bytes(), name.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
-/// Count the transition and stop: the floor (entry, stats, ctx loads).
-const COUNT_ONLY: bool = variant_is("count-only");
-/// Everything but the per-socket state map.
-const NO_MAP: bool = variant_is("no-map");
-/// Everything but the event ring.
-const NO_RING: bool = variant_is("no-ring");
-/// One ring record per transition (the design before per-CPU batches).
-const UNBATCHED: bool = variant_is("unbatched");
-/// Stamps transitions with bpf_ktime_get_ns instead of jiffies (ages are wrong: cost only).
-const KTIME: bool = variant_is("ktime");
-
-fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
-    let sk: *const u8 = ctx.arg(0);
-    let protocol: u16 = sk_field(sk, off!(sk_protocol));
-    if protocol != IPPROTO_TCP {
-        return Ok(());
-    }
-    bump(counter::TRANSITIONS);
-    if COUNT_ONLY {
-        return Ok(());
-    }
-    let oldstate = ctx.arg::<i32>(1) as u8;
-    let newstate = ctx.arg::<i32>(2) as u8;
-    let family: u16 = sk_field(sk, off!(skc_family));
-    // Addresses as two 8-byte words each (an IPv4 address in the low 4 bytes): plain register
-    // stores, where byte arrays built with copy_from_slice compile to memset/memcpy calls.
-    let (saddr, daddr) = if family == AF_INET6 {
-        (
-            addr16(sk, off!(skc_v6_rcv_saddr)),
-            addr16(sk, off!(skc_v6_daddr)),
-        )
-    } else {
-        let s: u32 = sk_field(sk, off!(skc_rcv_saddr));
-        let d: u32 = sk_field(sk, off!(skc_daddr));
-        ([s as u64, 0], [d as u64, 0])
-    };
-    let t = Transition {
-        // Jiffies, not bpf_ktime_get_ns: a plain load instead of a clock read, and the unit of
-        // the kernel's own TCP timestamps that the iterator reports idle times in.
-        now: if KTIME {
-            unsafe { bpf_ktime_get_ns() }
-        } else {
-            unsafe { bpf_jiffies64() }
-        },
-        skaddr: sk as u64,
-        saddr,
-        daddr,
-        family,
-        sport: sk_field(sk, off!(skc_num)),
-        dport: u16::from_be(sk_field(sk, off!(skc_dport))),
-        oldstate,
-        newstate,
-    };
-
-    if NO_MAP {
-    } else if newstate == tcp_state::CLOSE {
-        let _ = CONNREAP_STATE.remove(&t.skaddr);
-    } else {
-        let entry = StateEntry {
-            since_jiffies: t.now,
-            saddr: bytes16(t.saddr),
-            daddr: bytes16(t.daddr),
-            family: t.family,
-            sport: t.sport,
-            dport: t.dport,
-            state: newstate,
-            _pad: 0,
-        };
-        if oldstate == tcp_state::CLOSE || oldstate == tcp_state::LISTEN {
-            // A new socket (connect, listen, or a child cloned from a listener): insert without
-            // looking up first (BPF_ANY also replaces a stale record at a reused address).
-            if CONNREAP_STATE.insert(&t.skaddr, &entry, 0).is_err() {
-                bump(counter::MAP_FULL);
-            }
-        } else if let Some(existing) = CONNREAP_STATE.get_ptr_mut(&t.skaddr) {
-            // Update in place: no allocation for sockets already tracked.
-            // SAFETY: a valid map value pointer; a concurrent reader may see a torn update,
-            // which the iterator tolerates (it only uses since_jiffies when the state matches).
-            unsafe { *existing = entry };
-        } else if CONNREAP_STATE.insert(&t.skaddr, &entry, 0).is_err() {
-            bump(counter::MAP_FULL);
-        }
-    }
-
-    if NO_RING {
-        return Ok(());
-    }
-    if UNBATCHED {
-        send_one(&t);
-    } else {
-        stage(&t);
-    }
-    Ok(())
-}
-
-/// What the tracker read about one transition.
-struct Transition {
-    now: u64,
-    skaddr: u64,
-    saddr: [u64; 2],
-    daddr: [u64; 2],
-    family: u16,
-    sport: u16,
-    dport: u16,
-    oldstate: u8,
-    newstate: u8,
-}
-
+/// 16 address bytes as two 8-byte loads.
 #[inline(always)]
-fn addr16(sk: *const u8, off: u64) -> [u64; 2] {
+pub(crate) fn addr16(sk: *const u8, off: u64) -> [u64; 2] {
     [sk_field(sk, off), sk_field(sk, off + 8)]
 }
 
 #[inline(always)]
-fn bytes16(words: [u64; 2]) -> [u8; 16] {
+pub(crate) fn bytes16(words: [u64; 2]) -> [u8; 16] {
     // SAFETY: same size, every bit pattern valid; native order keeps the address bytes in place.
     unsafe { core::mem::transmute::<[u64; 2], [u8; 16]>(words) }
-}
-
-/// Store 16 bytes as two 8-byte stores (a plain array assignment may become a memmove call).
-///
-/// # Safety
-/// `dst` must be 8-byte aligned, as every 16-byte field of the event and state types is.
-#[inline(always)]
-unsafe fn put16(dst: *mut [u8; 16], words: [u64; 2]) {
-    let p = dst as *mut u64;
-    // SAFETY: per the contract.
-    unsafe {
-        p.write(words[0]);
-        p.add(1).write(words[1]);
-    }
-}
-
-/// A compiler barrier: memory accesses are not moved across it (no instruction is emitted).
-#[inline(always)]
-fn barrier() {
-    // SAFETY: an empty asm block; without `nomem` the compiler assumes it reads and writes
-    // memory, so it keeps stores on either side in order.
-    unsafe { core::arch::asm!("", options(nostack, preserves_flags)) };
-}
-
-/// Fill the event for `t` in place (the ring slot or the staging slot).
-///
-/// # Safety
-/// `ev` must point to writable memory for one TransitionEvent.
-#[inline(always)]
-unsafe fn fill(ev: *mut TransitionEvent, t: &Transition) {
-    // SAFETY: per the contract.
-    unsafe {
-        (*ev).ts_jiffies = t.now;
-        (*ev).skaddr = t.skaddr;
-        put16(&mut (*ev).saddr, t.saddr);
-        put16(&mut (*ev).daddr, t.daddr);
-        (*ev).family = t.family;
-        (*ev).sport = t.sport;
-        (*ev).dport = t.dport;
-        (*ev).oldstate = t.oldstate;
-        (*ev).newstate = t.newstate;
-        (*ev)._pad = 0;
-        // The task on the CPU is the socket's user only for transitions out of CLOSE (connect,
-        // listen): the others mostly run in softirq context, so they skip the helper calls.
-        if t.oldstate == tcp_state::CLOSE {
-            (*ev).pid = (bpf_get_current_pid_tgid() >> 32) as u32;
-            let comm = &mut (*ev).comm;
-            if gen::bpf_get_current_comm(comm.as_mut_ptr() as *mut c_void, 16) != 0 {
-                put16(comm, [0, 0]);
-            }
-        } else {
-            (*ev).pid = 0;
-            put16(&mut (*ev).comm, [0, 0]);
-        }
-    }
-}
-
-/// Ask for a wakeup only when a lot is pending: the daemon also drains on a timer.
-#[inline(always)]
-fn ring_flags() -> u64 {
-    if CONNREAP_EVENTS.query(BPF_RB_AVAIL_DATA as u64) >= WAKEUP_BYTES {
-        BPF_RB_FORCE_WAKEUP as u64
-    } else {
-        BPF_RB_NO_WAKEUP as u64
-    }
-}
-
-/// The wakeup decision for a full batch: wake the reader each time the ring's producer position
-/// crosses another WAKEUP_BYTES since this CPU last did. Reading the producer position (just
-/// written by this CPU's previous output) costs no cache miss, where the pending-data query
-/// reads the consumer position the reader's CPU writes.
-///
-/// # Safety
-/// `batch` is this CPU's staging batch, held busy by the caller.
-#[inline(always)]
-unsafe fn batch_ring_flags(batch: *mut EventBatch) -> u64 {
-    let mark = CONNREAP_EVENTS.query(BPF_RB_PROD_POS as u64) / WAKEUP_BYTES;
-    // SAFETY: per the contract.
-    unsafe {
-        if mark != (*batch).wake_mark {
-            (*batch).wake_mark = mark;
-            BPF_RB_FORCE_WAKEUP as u64
-        } else {
-            BPF_RB_NO_WAKEUP as u64
-        }
-    }
-}
-
-/// One event as its own ring record (the rare path: kept out of line).
-#[inline(never)]
-fn send_one(t: &Transition) {
-    match CONNREAP_EVENTS.reserve::<TransitionEvent>(0) {
-        Some(mut slot) => {
-            // SAFETY: a reserved slot of exactly one event.
-            unsafe { fill(slot.as_mut_ptr(), t) };
-            slot.submit(ring_flags());
-        }
-        None => bump(counter::RING_DROPS),
-    }
-}
-
-/// Write the event into this CPU's staging batch and send the batch when it is full.
-///
-/// Only code on this CPU touches the batch, but a run can be interrupted by another (a softirq
-/// transition during a process-context one is skipped by the kernel's recursion guard, but the
-/// flush program may run from an IPI): whoever finds `busy` set leaves the batch alone and
-/// sends its event directly. Barriers keep the stores in program order.
-#[inline(always)]
-fn stage(t: &Transition) {
-    let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
-        send_one(t);
-        return;
-    };
-    // SAFETY: a valid per-CPU map value; see above for why compiler barriers suffice.
-    unsafe {
-        if core::ptr::read_volatile(&(*batch).busy) != 0 {
-            send_one(t);
-            return;
-        }
-        core::ptr::write_volatile(&mut (*batch).busy, 1);
-        barrier();
-        let n = core::ptr::read_volatile(&(*batch).count) as usize & (EVENT_BATCH - 1);
-        fill(&mut (*batch).events[n], t);
-        barrier();
-        let mut count = n as u32 + 1;
-        core::ptr::write_volatile(&mut (*batch).count, count);
-        if count as usize == EVENT_BATCH {
-            if CONNREAP_EVENTS
-                .output::<EventBatch>(&*batch, batch_ring_flags(batch))
-                .is_err()
-            {
-                bump_by(counter::RING_DROPS, EVENT_BATCH as u64);
-            }
-            count = 0;
-            core::ptr::write_volatile(&mut (*batch).count, count);
-        }
-        barrier();
-        core::ptr::write_volatile(&mut (*batch).busy, 0);
-    }
-}
-
-/// Send this CPU's partial batch. Never attached: the daemon runs it on each CPU with
-/// `BPF_PROG_TEST_RUN` + `BPF_F_TEST_RUN_ON_CPU` before draining the ring. Returns 0 when the
-/// batch was sent (or empty), 1 when it was in use (try again later).
-#[raw_tracepoint(tracepoint = "connreap_flush")]
-pub fn connreap_flush_events(_ctx: RawTracePointContext) -> i32 {
-    try_flush()
-}
-
-fn try_flush() -> i32 {
-    let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
-        return 0;
-    };
-    // SAFETY: as in `stage`.
-    unsafe {
-        if core::ptr::read_volatile(&(*batch).busy) != 0 {
-            return 1;
-        }
-        core::ptr::write_volatile(&mut (*batch).busy, 1);
-        let count = core::ptr::read_volatile(&(*batch).count);
-        if count != 0 {
-            if CONNREAP_EVENTS
-                .output::<EventBatch>(&*batch, BPF_RB_FORCE_WAKEUP as u64)
-                .is_err()
-            {
-                bump_by(counter::RING_DROPS, count as u64);
-            }
-            core::ptr::write_volatile(&mut (*batch).count, 0);
-        }
-        core::ptr::write_volatile(&mut (*batch).busy, 0);
-    }
-    0
 }
 
 // ---------------------------------------------------------------------------------------------
