@@ -210,6 +210,16 @@ pub struct TransitionEvent {
     pub comm: [u8; 16],
 }
 
+/// Return values of the flush program (`connreap_flush_events`) for one CPU.
+pub mod flush {
+    /// Nothing was staged on that CPU.
+    pub const EMPTY: i32 = 0;
+    /// A partial batch was sent to the ring.
+    pub const SENT: i32 = 2;
+    /// The batch was in use at that instant (its events go out with it or on the next round).
+    pub const BUSY: i32 = 1;
+}
+
 /// Transitions sent over the ring per record. The tracker stages events in a per-CPU
 /// [`EventBatch`] and outputs the whole batch when it is full: one ring reservation (lock,
 /// producer position, wakeup check) per batch instead of per transition, and no cache line

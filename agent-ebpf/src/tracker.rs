@@ -7,11 +7,12 @@ use core::ffi::c_void;
 use aya_ebpf::{
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, BPF_RB_PROD_POS},
     helpers::{bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns, generated as gen},
-    macros::{btf_tracepoint, raw_tracepoint},
-    programs::{BtfTracePointContext, RawTracePointContext},
+    macros::btf_tracepoint,
+    programs::BtfTracePointContext,
 };
 use connreap_ebpf::{
-    counter, tcp_state, EventBatch, StateEntry, TransitionEvent, AF_INET6, EVENT_BATCH, IPPROTO_TCP,
+    counter, flush, tcp_state, EventBatch, StateEntry, TransitionEvent, AF_INET6, EVENT_BATCH,
+    IPPROTO_TCP,
 };
 
 use crate::{
@@ -300,21 +301,27 @@ fn stage(t: &Transition) {
 }
 
 /// Send this CPU's partial batch. Never attached: the daemon runs it on each CPU with
-/// `BPF_PROG_TEST_RUN` + `BPF_F_TEST_RUN_ON_CPU` before draining the ring. Returns 0 when the
-/// batch was sent (or empty), 1 when it was in use (try again later).
-#[raw_tracepoint(tracepoint = "connreap_flush")]
-pub fn connreap_flush_events(_ctx: RawTracePointContext) -> i32 {
+/// `BPF_PROG_TEST_RUN` + `BPF_F_TEST_RUN_ON_CPU` before draining the ring. Returns
+/// [`flush::EMPTY`], [`flush::SENT`] (a partial batch went out) or [`flush::BUSY`] (the batch was
+/// in use: its events go out with the batch or on the next round).
+///
+/// Declared by hand: aya-ebpf's `#[raw_tracepoint]` entry discards the function's result and
+/// returns 0, and the daemon reads this one (`BPF_PROG_TEST_RUN`'s retval).
+#[no_mangle]
+#[link_section = "raw_tp/connreap_flush"]
+pub fn connreap_flush_events(_ctx: *mut c_void) -> i32 {
     try_flush()
 }
 
 fn try_flush() -> i32 {
     let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
-        return 0;
+        return flush::EMPTY;
     };
+    let mut ret = flush::EMPTY;
     // SAFETY: as in `stage`.
     unsafe {
         if core::ptr::read_volatile(&(*batch).busy) != 0 {
-            return 1;
+            return flush::BUSY;
         }
         core::ptr::write_volatile(&mut (*batch).busy, 1);
         let count = core::ptr::read_volatile(&(*batch).count);
@@ -326,8 +333,9 @@ fn try_flush() -> i32 {
                 bump_by(counter::RING_DROPS, count as u64);
             }
             core::ptr::write_volatile(&mut (*batch).count, 0);
+            ret = flush::SENT;
         }
         core::ptr::write_volatile(&mut (*batch).busy, 0);
     }
-    0
+    ret
 }

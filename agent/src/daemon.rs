@@ -71,7 +71,11 @@ async fn read_events(
         }
         // Partial per-CPU batches first, so no transition waits longer than one drain.
         match flusher.flush() {
-            Ok(_) => flush_failing = false,
+            Ok(round) => {
+                flush_failing = false;
+                metrics.batches_flushed.inc_by(round.sent.into());
+                metrics.flush_busy.inc_by(round.busy.into());
+            }
             Err(e) if !flush_failing => {
                 flush_failing = true;
                 tracing::warn!(error = %e, "cannot flush the per-CPU event batches; events arrive in full batches only");

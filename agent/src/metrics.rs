@@ -60,6 +60,8 @@ pub struct Metrics {
     map_memory: Family<MapLabels, Gauge>,
     last_kernel: Mutex<Counters>,
     pub events_read: Counter,
+    pub batches_flushed: Counter,
+    pub flush_busy: Counter,
     webhook_sends: Family<ResultLabels, Counter>,
     pub webhook_dropped: Counter,
     pub scan_duration: Histogram,
@@ -90,6 +92,8 @@ impl Metrics {
             map_memory: Family::default(),
             last_kernel: Mutex::new(Counters::default()),
             events_read: Counter::default(),
+            batches_flushed: Counter::default(),
+            flush_busy: Counter::default(),
             webhook_sends: Family::default(),
             webhook_dropped: Counter::default(),
             scan_duration: Histogram::new([
@@ -132,6 +136,16 @@ impl Metrics {
             "events_read",
             "Transition events read by the daemon",
             m.events_read.clone(),
+        );
+        registry.register(
+            "event_batches_flushed",
+            "Partial per-CPU batches of transition events sent by the daemon's flush before a drain",
+            m.batches_flushed.clone(),
+        );
+        registry.register(
+            "event_flush_busy",
+            "Per-CPU flushes skipped because the batch was in use (its events go out later)",
+            m.flush_busy.clone(),
         );
         registry.register(
             "webhook_sends",

@@ -931,6 +931,14 @@ storm_growth_windows = 0"#,
         describe(&hook.posts()),
         agent.stderr()
     );
+    // They came through the flush, not through a batch that other traffic happened to fill.
+    let flushed = agent
+        .metric("connreap_event_batches_flushed_total")
+        .unwrap_or(0.0);
+    assert!(
+        flushed >= 1.0,
+        "connreap_event_batches_flushed_total = {flushed}: the storm was seen, but no partial batch was flushed"
+    );
     drop(held);
     // The kernel side's memory is visible: the event ring (4 MiB) and the state map's buckets.
     for (map, at_least) in [("events", 4 << 20), ("state", 1 << 20)] {

@@ -14,7 +14,7 @@ use aya::{
     maps::{MapData, RingBuf},
     programs::RawTracePoint,
 };
-use connreap_ebpf::{names, EventBatch, TransitionEvent};
+use connreap_ebpf::{flush, names, EventBatch, TransitionEvent};
 
 use super::KernelError;
 
@@ -54,7 +54,8 @@ pub struct Flusher {
 /// What one flush round did.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct FlushRound {
-    pub flushed: u32,
+    /// CPUs that had a partial batch, now sent.
+    pub sent: u32,
     /// CPUs whose batch was in use at that instant: their events go out on the next round.
     pub busy: u32,
 }
@@ -106,10 +107,10 @@ impl Flusher {
                     names::PROG_FLUSH
                 )));
             }
-            if attr.retval == 0 {
-                round.flushed += 1;
-            } else {
-                round.busy += 1;
+            match attr.retval as i32 {
+                flush::SENT => round.sent += 1,
+                flush::BUSY => round.busy += 1,
+                _ => {}
             }
         }
         Ok(round)

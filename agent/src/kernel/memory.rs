@@ -10,18 +10,38 @@ use aya::maps::MapData;
 
 use super::SHARED_MAPS;
 
-/// Bytes of each map of [`SHARED_MAPS`], by pin name; a map that cannot be opened is left out.
-pub(crate) fn map_memory(pin_dir: &Path) -> Vec<(&'static str, u64)> {
-    SHARED_MAPS
-        .iter()
-        .filter_map(|(_, pin)| Some((*pin, pinned_memlock(&pin_dir.join(pin))?)))
-        .collect()
+/// The shared maps' fds, opened once from their pins, for reading their memory every scan.
+pub(crate) struct MapMemory {
+    maps: Vec<(&'static str, MapData)>,
 }
 
-fn pinned_memlock(path: &Path) -> Option<u64> {
-    let map = MapData::from_pin(path).ok()?;
-    let fd = map.fd().as_fd().as_raw_fd();
-    parse_memlock(&fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?)
+impl MapMemory {
+    /// Open each map of [`SHARED_MAPS`] by pin; a map that cannot be opened is left out.
+    pub(crate) fn open(pin_dir: &Path) -> Self {
+        let maps = SHARED_MAPS
+            .iter()
+            .filter_map(|(_, pin)| match MapData::from_pin(pin_dir.join(pin)) {
+                Ok(map) => Some((*pin, map)),
+                Err(e) => {
+                    tracing::debug!(map = pin, error = %e, "map memory will not be reported");
+                    None
+                }
+            })
+            .collect();
+        MapMemory { maps }
+    }
+
+    /// Bytes of each map, by pin name (a map whose fdinfo cannot be read is left out).
+    pub(crate) fn read(&self) -> Vec<(&'static str, u64)> {
+        self.maps
+            .iter()
+            .filter_map(|(pin, map)| {
+                let fd = map.fd().as_fd().as_raw_fd();
+                let info = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+                Some((*pin, parse_memlock(&info)?))
+            })
+            .collect()
+    }
 }
 
 fn parse_memlock(fdinfo: &str) -> Option<u64> {

@@ -95,6 +95,7 @@ pub struct Kernel {
     pin_dir: PathBuf,
     iter_tcp: Iter,
     iter_files: Iter,
+    memory: memory::MapMemory,
     /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
     pub hz: u32,
 }
@@ -305,6 +306,7 @@ impl Kernel {
             iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
             iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
             ebpf: maps,
+            memory: memory::MapMemory::open(&pin_dir),
             pin_dir,
             hz: hz::kernel_hz(),
         })
@@ -473,7 +475,7 @@ impl Kernel {
             transitions: sum(counter::TRANSITIONS),
             ring_drops: sum(counter::RING_DROPS),
             map_full: sum(counter::MAP_FULL),
-            map_memory: memory::map_memory(&self.pin_dir),
+            map_memory: self.memory.read(),
         })
     }
 
