@@ -2,6 +2,7 @@
 use std::{
     collections::{HashMap, HashSet},
     fs,
+    time::{Duration, Instant},
 };
 
 use crate::{
@@ -40,10 +41,21 @@ impl Scanner {
     pub fn scan(&mut self) -> Result<Vec<Socket>, KernelError> {
         // Socket records become table rows as they are read; the owner dump follows (so a
         // socket seen has had the time to get its owner, as before).
+        let start = Instant::now();
         let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len);
-        self.kernel.for_each_socket(|r| b.push(&r))?;
+        let mut sockets = 0usize;
+        let sockets_kernel = self.kernel.for_each_socket(|r| {
+            sockets += 1;
+            b.push(&r)
+        })?;
+        let sockets_done = Instant::now();
         let mut holders = Holders::default();
-        self.kernel.for_each_owner(|o| holders.push(&o))?;
+        let mut owners = 0usize;
+        let owners_kernel = self.kernel.for_each_owner(|o| {
+            owners += 1;
+            holders.push(&o)
+        })?;
+        let owners_done = Instant::now();
         // Forget units of pids that hold no socket any more (pids get reused).
         let live: HashSet<u32> = holders.pids().collect();
         self.units.retain(|pid, _| live.contains(pid));
@@ -60,6 +72,20 @@ impl Scanner {
         };
         let table = b.finish(holders, &mut unit_of);
         self.last_len = table.len();
+        // Where a scan's time goes, for `RUST_LOG=connreap::scan=debug` and the benchmarks:
+        // each dump's time in the kernel (the iterator producing records) and in total (plus
+        // decoding them here), then the merge.
+        let us = |d: Duration| d.as_micros() as u64;
+        tracing::debug!(
+            sockets,
+            owner_records = owners,
+            socket_dump_kernel_us = us(sockets_kernel),
+            socket_dump_us = us(sockets_done - start),
+            owner_dump_kernel_us = us(owners_kernel),
+            owner_dump_us = us(owners_done - sockets_done),
+            merge_us = us(owners_done.elapsed()),
+            "scan"
+        );
         Ok(table)
     }
 }

@@ -19,6 +19,7 @@ use std::{
     io::Read as _,
     os::fd::AsRawFd,
     path::{Path, PathBuf},
+    time::{Duration, Instant},
 };
 
 use aya::{
@@ -424,12 +425,13 @@ impl Kernel {
     }
 
     /// Run an iterator and hand each complete record to `f` as it is read (a small reused
-    /// buffer: the dump is never held in memory as bytes).
+    /// buffer: the dump is never held in memory as bytes). Returns the time spent in `read`,
+    /// i.e. in the kernel producing the dump.
     fn run_iter<T: Copy + Default>(
         it: &mut Iter,
         what: &'static str,
         mut f: impl FnMut(T),
-    ) -> Result<(), KernelError> {
+    ) -> Result<Duration, KernelError> {
         let err = |reason: String| KernelError::Iterate { what, reason };
         let id = it.attach().map_err(|e| err(full_chain(&e)))?;
         let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
@@ -437,8 +439,12 @@ impl Kernel {
         let size = std::mem::size_of::<T>();
         let mut buf = vec![0u8; 64 * 1024];
         let mut filled = 0;
+        let mut in_kernel = Duration::ZERO;
         loop {
-            let n = match file.read(&mut buf[filled..]) {
+            let t = Instant::now();
+            let read = file.read(&mut buf[filled..]);
+            in_kernel += t.elapsed();
+            let n = match read {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
@@ -450,16 +456,18 @@ impl Kernel {
             buf.copy_within(whole..filled, 0);
             filled -= whole;
         }
-        Ok(())
+        Ok(in_kernel)
     }
 
-    /// Every TCP socket of this network namespace, one record at a time.
-    pub fn for_each_socket(&mut self, f: impl FnMut(SockRecord)) -> Result<(), KernelError> {
+    /// Every TCP socket of this network namespace, one record at a time; returns the time the
+    /// kernel took to dump them.
+    pub fn for_each_socket(&mut self, f: impl FnMut(SockRecord)) -> Result<Duration, KernelError> {
         Self::run_iter(&mut self.iter_tcp, "iter/tcp", f)
     }
 
-    /// Every (socket, process) pair on the host, one record at a time.
-    pub fn for_each_owner(&mut self, f: impl FnMut(OwnerRecord)) -> Result<(), KernelError> {
+    /// Every (socket, process) pair on the host, one record at a time; returns the time the
+    /// kernel took to dump them.
+    pub fn for_each_owner(&mut self, f: impl FnMut(OwnerRecord)) -> Result<Duration, KernelError> {
         Self::run_iter(&mut self.iter_files, "iter/task_file", f)
     }
 
