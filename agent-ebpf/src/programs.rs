@@ -32,11 +32,18 @@ pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
 ///
 /// Allocated on demand, so its kernel memory follows the number of tracked sockets (≈ 4 MB of
 /// buckets + ≈ 128 B per socket, exported as `connreap_bpf_map_memory_bytes`). A preallocated
-/// map would cost a fixed ≈ 31 MB; measured side by side under churn it was not reliably faster
-/// on this machine (BENCHMARKS.md).
+/// map would cost a fixed ≈ 31 MB and is not faster under churn here (the `prealloc` variant of
+/// `cargo xtask bench --probe-parts`, BENCHMARKS.md).
 #[map(name = "CONNREAP_STATE")]
 pub(crate) static CONNREAP_STATE: HashMap<u64, StateEntry> =
-    HashMap::pinned(STATE_MAP_ENTRIES, BPF_F_NO_PREALLOC);
+    HashMap::pinned(STATE_MAP_ENTRIES, STATE_MAP_FLAGS);
+
+/// Bench-only `prealloc` variant: the same map with preallocated elements.
+const STATE_MAP_FLAGS: u32 = if crate::tracker::variant_is("prealloc") {
+    0
+} else {
+    BPF_F_NO_PREALLOC
+};
 
 #[map(name = "CONNREAP_EVENTS")]
 pub(crate) static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);

@@ -39,7 +39,7 @@ const VARIANT: &str = match option_env!("CONNREAP_PROBE_VARIANT") {
     Some(v) => v,
     None => "full",
 };
-const fn variant_is(name: &str) -> bool {
+pub(crate) const fn variant_is(name: &str) -> bool {
     let (a, b) = (VARIANT.as_bytes(), name.as_bytes());
     if a.len() != b.len() {
         return false;
