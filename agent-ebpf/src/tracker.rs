@@ -70,7 +70,13 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     if protocol != IPPROTO_TCP {
         return Ok(());
     }
-    bump(counter::TRANSITIONS);
+    // This CPU's staging batch: its header counts the transition (the events go in below).
+    let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
+        return Ok(());
+    };
+    // SAFETY: a valid per-CPU map value. Nothing else writes `transitions` (the tracker does
+    // not nest on a CPU; the flush only sends the batch).
+    unsafe { (*batch).transitions += 1 };
     if COUNT_ONLY {
         return Ok(());
     }
@@ -143,7 +149,7 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     if UNBATCHED {
         send_one(&t);
     } else {
-        stage(&t);
+        stage(&t, batch);
     }
     Ok(())
 }
@@ -267,12 +273,8 @@ fn send_one(t: &Transition) {
 /// flush program may run from an IPI): whoever finds `busy` set leaves the batch alone and
 /// sends its event directly. Barriers keep the stores in program order.
 #[inline(always)]
-fn stage(t: &Transition) {
-    let Some(batch) = CONNREAP_STAGING.get_ptr_mut(0) else {
-        send_one(t);
-        return;
-    };
-    // SAFETY: a valid per-CPU map value; see above for why compiler barriers suffice.
+fn stage(t: &Transition, batch: *mut EventBatch) {
+    // SAFETY: this CPU's staging value; see above for why compiler barriers suffice.
     unsafe {
         if core::ptr::read_volatile(&(*batch).busy) != 0 {
             send_one(t);

@@ -181,6 +181,7 @@ mod tests {
             count: 3,
             busy: 0,
             wake_mark: 0,
+            transitions: 0,
             events: [ev(99); EVENT_BATCH],
         };
         for i in 0..3 {

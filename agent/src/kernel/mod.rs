@@ -30,7 +30,7 @@ use aya::{
     },
     Btf, Ebpf, EbpfLoader,
 };
-use connreap_ebpf::{counter, names, OwnerRecord, SockRecord};
+use connreap_ebpf::{counter, names, EventBatch, OwnerRecord, SockRecord};
 
 /// The BPF object, embedded at build time (empty when `cargo xtask build-ebpf` has not run).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o"));
@@ -112,9 +112,10 @@ pub(crate) struct Maps {
 type WrapMap = fn(MapData) -> Map;
 
 /// The maps kept by [`Kernel`]: name, pin file, and how to wrap a pinned map's fd.
-const KEPT_MAPS: [(&str, &str, WrapMap); 2] = [
+const KEPT_MAPS: [(&str, &str, WrapMap); 3] = [
     (names::COUNTERS, "counters", Map::PerCpuArray),
     (names::EVENTS, "events", Map::RingBuf),
+    (names::STAGING, "staging", Map::PerCpuArray),
 ];
 
 impl Maps {
@@ -479,8 +480,18 @@ impl Kernel {
         let arr: PerCpuArray<&MapData, u64> =
             PerCpuArray::try_from(map).map_err(|e| KernelError::Load(e.to_string()))?;
         let sum = |i: u32| arr.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0);
+        let staging = self
+            .ebpf
+            .map(names::STAGING)
+            .ok_or(KernelError::MissingMap(names::STAGING))?;
+        let staging: PerCpuArray<&MapData, EventBatch> =
+            PerCpuArray::try_from(staging).map_err(|e| KernelError::Load(e.to_string()))?;
+        let transitions = staging
+            .get(&0, 0)
+            .map(|v| v.iter().map(|b| b.transitions).sum())
+            .unwrap_or(0);
         Ok(Counters {
-            transitions: sum(counter::TRANSITIONS),
+            transitions,
             ring_drops: sum(counter::RING_DROPS),
             map_full: sum(counter::MAP_FULL),
             map_memory: self.memory.read(),

@@ -13,11 +13,15 @@ pub const VARIANTS: [(&str, &str); 7] = [
         "full",
         "the shipped program: state map + events staged per CPU, one ring record per 32",
     ),
-    ("no-ring", "state map, no events"),
+    (
+        "no-ring",
+        "state map, no events (the transition is still counted in the staging batch's header)",
+    ),
     ("no-map", "events (batched), no state map"),
     (
         "count-only",
-        "counts the transition and returns (entry, bpf_stats accounting, protocol load)",
+        "counts the transition and returns (entry, bpf_stats accounting, protocol load, the \
+         per-CPU count)",
     ),
     (
         "unbatched",
