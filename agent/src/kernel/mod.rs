@@ -39,6 +39,17 @@ pub const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
 pub const BPFFS: &str = "/sys/fs/bpf";
 pub const TRACEFS: &str = "/sys/kernel/tracing";
 const PIN_ROOT: &str = "/sys/fs/bpf/connreap";
+/// Overrides [`PIN_ROOT`]: a second connreap with another root (on bpffs) runs its own tracker
+/// next to the first instead of replacing it (a canary build; the benchmarks' side-by-side
+/// measures).
+pub const PIN_ROOT_ENV: &str = "CONNREAP_PIN_ROOT";
+
+fn pin_root() -> PathBuf {
+    std::env::var_os(PIN_ROOT_ENV)
+        .filter(|v| !v.is_empty())
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(PIN_ROOT))
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
@@ -218,9 +229,10 @@ fn pin_error(path: &Path, e: impl std::fmt::Display) -> KernelError {
 /// The directory for this object's pins; stale directories from other builds are removed
 /// (removing the pinned link detaches the old tracker).
 fn prepare_pin_dir() -> Result<PathBuf, KernelError> {
-    let dir = Path::new(PIN_ROOT).join(object_hash(OBJECT));
+    let root = pin_root();
+    let dir = root.join(object_hash(OBJECT));
     fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
-    if let Ok(entries) = fs::read_dir(PIN_ROOT) {
+    if let Ok(entries) = fs::read_dir(&root) {
         for e in entries.flatten() {
             if e.path() != dir {
                 tracing::info!(path = %e.path().display(), "removing tracker pinned by another connreap build");
@@ -251,7 +263,7 @@ fn load_lock() -> Option<fs::File> {
 
 /// Remove every pin (detaches the state tracker). Used by `connreap unpin`.
 pub fn unpin_all() -> std::io::Result<bool> {
-    match fs::remove_dir_all(PIN_ROOT) {
+    match fs::remove_dir_all(pin_root()) {
         Ok(()) => Ok(true),
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
         Err(e) => Err(e),

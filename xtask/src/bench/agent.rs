@@ -206,6 +206,15 @@ pub fn http_get(ns: &NsHandle, addr: &str, path: &str) -> Result<String> {
 pub struct Daemon {
     proc: Proc,
     ns: NsHandle,
+    listen: String,
+}
+
+/// A daemon of another build next to the usual one: its binary, API address and pin root
+/// (`CONNREAP_PIN_ROOT`, so its tracker does not replace the other's).
+pub struct Side<'a> {
+    pub bin: PathBuf,
+    pub listen: &'a str,
+    pub pin_root: &'a Path,
 }
 
 impl Daemon {
@@ -218,13 +227,39 @@ impl Daemon {
         scan_interval: &str,
         extra: &str,
     ) -> Result<Daemon> {
+        Self::start_as(ns, dir, tag, scan_interval, extra, None)
+    }
+
+    /// [`Daemon::start`] for a [`Side`] daemon.
+    pub fn start_side(
+        ns: &NsHandle,
+        dir: &Path,
+        tag: &str,
+        scan_interval: &str,
+        side: &Side,
+    ) -> Result<Daemon> {
+        Self::start_as(ns, dir, tag, scan_interval, "", Some(side))
+    }
+
+    fn start_as(
+        ns: &NsHandle,
+        dir: &Path,
+        tag: &str,
+        scan_interval: &str,
+        extra: &str,
+        side: Option<&Side>,
+    ) -> Result<Daemon> {
+        let listen = side.map_or(LISTEN, |s| s.listen).to_string();
         let cfg = dir.join(format!("{tag}.toml"));
         std::fs::write(
             &cfg,
-            format!("[agent]\nlisten = \"{LISTEN}\"\nscan_interval = \"{scan_interval}\"\n{extra}"),
+            format!("[agent]\nlisten = \"{listen}\"\nscan_interval = \"{scan_interval}\"\n{extra}"),
         )?;
         let log = std::fs::File::create(dir.join(format!("{tag}.log")))?;
-        let mut cmd = ns.command(bin());
+        let mut cmd = ns.command(side.map_or_else(bin, |s| s.bin.clone()));
+        if let Some(s) = side {
+            cmd.env("CONNREAP_PIN_ROOT", s.pin_root);
+        }
         cmd.arg("run")
             .arg("--config")
             .arg(&cfg)
@@ -234,6 +269,7 @@ impl Daemon {
         let mut d = Daemon {
             proc: Proc::spawn(&mut cmd, &format!("connreap run ({tag})"))?,
             ns: ns.clone(),
+            listen,
         };
         let end = Instant::now() + Duration::from_secs(60);
         loop {
@@ -255,7 +291,11 @@ impl Daemon {
     }
 
     pub fn scrape(&self) -> Result<Scrape> {
-        Ok(Scrape::parse(&http_get(&self.ns, LISTEN, "/metrics")?))
+        Ok(Scrape::parse(&http_get(
+            &self.ns,
+            &self.listen,
+            "/metrics",
+        )?))
     }
 
     /// Wait until `n` more scans have completed; the scrape taken then.

@@ -138,10 +138,7 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
         Duration::from_secs(dur_b),
     )?;
     let by_parts = if ctx.parts {
-        let one = |ctx: &Ctx, tag: &str, hs: (&NsHandle, &NsHandle)| -> Result<f64> {
-            Ok(window(ctx, tag, hs, 1.0, 1, Duration::from_secs(3))?.median())
-        };
-        Some(super::parts::measure(ctx, (&agent_ns.handle(), &h), one)?)
+        Some(super::parts::measure(ctx, (&agent_ns.handle(), &h))?)
     } else {
         None
     };
