@@ -469,3 +469,69 @@ fn bad_filters_fail_with_one_line_errors() {
         assert!(out.stdout.is_empty(), "no JSON on failure: {ctx}");
     }
 }
+
+/// A canary build runs next to the installed one: with its own `CONNREAP_PIN_ROOT`, connreap
+/// pins and attaches its own tracker there, leaves the default root's tracker in place, sees
+/// exact ages from its own tracker, and `unpin` under that root removes only its own pins.
+#[test]
+fn a_second_pin_root_runs_its_own_tracker_next_to_the_default_one() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    const CANARY: &str = "/sys/fs/bpf/connreap-test-canary";
+    let ns = NetNs::new("canary");
+    let canary = |args: &[&str]| {
+        let mut cmd = ns.connreap(args);
+        cmd.env("CONNREAP_PIN_ROOT", CANARY);
+        run(&mut cmd, CONNREAP_TIMEOUT)
+    };
+    let _ = std::fs::remove_dir_all(CANARY);
+    pin_tracker(&ns);
+    let default_link = std::fs::read_dir(PIN_ROOT)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path().join("link"))
+        .find(|p| p.exists())
+        .unwrap_or_else(|| panic!("no pinned tracker link under {PIN_ROOT}"));
+
+    let out = canary(&["snapshot", "--json"]);
+    assert!(out.status.success(), "{out:?}");
+    let canary_link = std::fs::read_dir(CANARY)
+        .unwrap_or_else(|e| panic!("{CANARY} not created ({e}): {out:?}"))
+        .flatten()
+        .map(|e| e.path().join("link"))
+        .find(|p| p.exists());
+    assert!(canary_link.is_some(), "no tracker link under {CANARY}");
+    assert!(
+        default_link.exists(),
+        "the canary removed the default root's tracker {}",
+        default_link.display()
+    );
+
+    // The canary's own tracker gives exact ages to sockets created after it was attached.
+    let (child, _) = peer(
+        &ns,
+        &["close-wait", "--addr", "127.0.0.1:7700", "--count", "2"],
+    );
+    thread::sleep(Duration::from_secs(1));
+    let out = canary(&["snapshot", "--json", "--state", "CLOSE_WAIT"]);
+    assert!(out.status.success(), "{out:?}");
+    let snap: serde_json::Value = serde_json::from_str(&out.stdout).unwrap();
+    let mine = sockets(&snap)
+        .into_iter()
+        .filter(|s| s.pid == Some(child.pid()))
+        .collect::<Vec<_>>();
+    assert_eq!(mine.len(), 2, "{snap:#}");
+    assert!(
+        mine.iter().all(|s| s.age_exact && s.age_secs >= 0.9),
+        "{snap:#}"
+    );
+
+    let out = canary(&["unpin"]);
+    assert!(out.status.success(), "{out:?}");
+    assert!(!Path::new(CANARY).exists(), "{CANARY} still exists");
+    assert!(
+        default_link.exists(),
+        "unpinning the canary removed the default root's tracker"
+    );
+}
