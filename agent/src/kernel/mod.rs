@@ -3,21 +3,25 @@
 //! sock_diag. Everything above this module works on plain data.
 //!
 //! The state tracker (tracepoint + per-socket map + event ring + counters) is pinned under
-//! `/sys/fs/bpf/connreap/<object-hash>/` so that socket ages survive agent restarts and one-shot
-//! commands like `snapshot` see ages of sockets created before they ran. A new object (upgrade)
+//! `/sys/fs/bpf/connreap/<object-hash>/` (another root with `CONNREAP_PIN_ROOT`, see `host`) so
+//! that socket ages survive agent restarts and one-shot commands like `snapshot` see ages of
+//! sockets created before they ran. A new object (upgrade)
 //! gets a new directory and the stale ones are removed, which detaches the old tracker.
 pub mod destroy;
 pub mod diag;
 pub mod events;
+mod host;
 mod hz;
 mod memory;
 pub mod offsets;
+
+pub use host::unpin_all;
+use host::{ensure_mounted, load_lock, pin_error, prepare_pin_dir, raise_memlock};
 
 use std::{
     collections::HashMap,
     fs,
     io::Read as _,
-    os::fd::AsRawFd,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -38,19 +42,6 @@ static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o
 pub const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
 pub const BPFFS: &str = "/sys/fs/bpf";
 pub const TRACEFS: &str = "/sys/kernel/tracing";
-const PIN_ROOT: &str = "/sys/fs/bpf/connreap";
-/// Overrides [`PIN_ROOT`]: a second connreap with another root (on bpffs) runs its own tracker
-/// next to the first instead of replacing it (a canary build; the benchmarks' side-by-side
-/// measures).
-pub const PIN_ROOT_ENV: &str = "CONNREAP_PIN_ROOT";
-
-fn pin_root() -> PathBuf {
-    std::env::var_os(PIN_ROOT_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(PIN_ROOT))
-}
-
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     #[error("connreap must run as root (it loads BPF programs); try: sudo connreap ...")]
@@ -152,121 +143,6 @@ impl Maps {
 
     pub(crate) fn take_map(&mut self, name: &str) -> Option<Map> {
         self.maps.remove(name)
-    }
-}
-
-fn is_mounted(path: &str, fstype: &str) -> bool {
-    fs::read_to_string("/proc/self/mounts").is_ok_and(|m| {
-        m.lines().any(|l| {
-            let mut f = l.split_whitespace();
-            let _src = f.next();
-            f.next() == Some(path) && f.next() == Some(fstype)
-        })
-    })
-}
-
-fn ensure_mounted(fstype: &'static str, path: &'static str) -> Result<(), KernelError> {
-    if is_mounted(path, fstype) {
-        return Ok(());
-    }
-    let c = |s: &str| std::ffi::CString::new(s).unwrap_or_default();
-    let (src, target, ty) = (c(fstype), c(path), c(fstype));
-    // SAFETY: plain mount(2) with valid NUL-terminated strings.
-    let rc = unsafe {
-        libc::mount(
-            src.as_ptr(),
-            target.as_ptr(),
-            ty.as_ptr(),
-            0,
-            std::ptr::null(),
-        )
-    };
-    if rc != 0 {
-        return Err(KernelError::Mount {
-            fs: fstype,
-            path,
-            reason: std::io::Error::last_os_error().to_string(),
-        });
-    }
-    tracing::warn!(
-        fstype,
-        path,
-        "mounted {fstype} at {path}: if this mount namespace is not the host's, the pinned state tracker is private to it (enter only the network namespace, e.g. nsenter --net)"
-    );
-    Ok(())
-}
-
-/// Kernels before 5.11 charge BPF memory to RLIMIT_MEMLOCK; newer ones use the memcg. Raising
-/// the limit may be refused (no CAP_SYS_RESOURCE): that is fine on new kernels.
-fn raise_memlock() {
-    let lim = libc::rlimit {
-        rlim_cur: libc::RLIM_INFINITY,
-        rlim_max: libc::RLIM_INFINITY,
-    };
-    // SAFETY: setrlimit with a valid struct.
-    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &lim) } != 0 {
-        tracing::debug!("could not raise RLIMIT_MEMLOCK (fine on kernels >= 5.11)");
-    }
-}
-
-fn object_hash(object: &[u8]) -> String {
-    // FNV-1a: only needs to tell object versions apart.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in object {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
-
-fn pin_error(path: &Path, e: impl std::fmt::Display) -> KernelError {
-    KernelError::Pin {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    }
-}
-
-/// The directory for this object's pins; stale directories from other builds are removed
-/// (removing the pinned link detaches the old tracker).
-fn prepare_pin_dir() -> Result<PathBuf, KernelError> {
-    let root = pin_root();
-    let dir = root.join(object_hash(OBJECT));
-    fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
-    if let Ok(entries) = fs::read_dir(&root) {
-        for e in entries.flatten() {
-            if e.path() != dir {
-                tracing::info!(path = %e.path().display(), "removing tracker pinned by another connreap build");
-                let _ = fs::remove_dir_all(e.path());
-            }
-        }
-    }
-    Ok(dir)
-}
-
-/// An exclusive flock held while loading (released on drop). Best effort: without it the load
-/// still works, only the rare simultaneous first load can fail.
-fn load_lock() -> Option<fs::File> {
-    let dir = Path::new("/run/lock");
-    let _ = fs::create_dir_all(dir);
-    let f = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join("connreap.load.lock"))
-        .ok()?;
-    // SAFETY: flock on an fd we own.
-    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-        return None;
-    }
-    Some(f)
-}
-
-/// Remove every pin (detaches the state tracker). Used by `connreap unpin`.
-pub fn unpin_all() -> std::io::Result<bool> {
-    match fs::remove_dir_all(pin_root()) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
     }
 }
 
@@ -484,21 +360,21 @@ impl Kernel {
         Self::run_iter(&mut self.iter_files, "iter/task_file", f)
     }
 
+    /// A per-CPU array this process keeps, by name.
+    fn per_cpu<V: aya::Pod>(
+        &self,
+        name: &'static str,
+    ) -> Result<PerCpuArray<&MapData, V>, KernelError> {
+        let map = self.ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
+        PerCpuArray::try_from(map).map_err(|e| KernelError::Load(e.to_string()))
+    }
+
     pub fn counters(&self) -> Result<Counters, KernelError> {
-        let map = self
-            .ebpf
-            .map(names::COUNTERS)
-            .ok_or(KernelError::MissingMap(names::COUNTERS))?;
-        let arr: PerCpuArray<&MapData, u64> =
-            PerCpuArray::try_from(map).map_err(|e| KernelError::Load(e.to_string()))?;
+        let arr = self.per_cpu::<u64>(names::COUNTERS)?;
         let sum = |i: u32| arr.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0);
-        let staging = self
-            .ebpf
-            .map(names::STAGING)
-            .ok_or(KernelError::MissingMap(names::STAGING))?;
-        let staging: PerCpuArray<&MapData, EventBatch> =
-            PerCpuArray::try_from(staging).map_err(|e| KernelError::Load(e.to_string()))?;
-        let transitions = staging
+        // The transition count lives in each CPU's staging batch header (see EventBatch).
+        let transitions = self
+            .per_cpu::<EventBatch>(names::STAGING)?
             .get(&0, 0)
             .map(|v| v.iter().map(|b| b.transitions).sum())
             .unwrap_or(0);
@@ -620,11 +496,5 @@ mod tests {
         buf.extend_from_slice(&[1, 2, 3]);
         let recs: Vec<OwnerRecord> = records(&buf).collect();
         assert_eq!(recs, vec![a, a]);
-    }
-
-    #[test]
-    fn object_hash_differs_per_content() {
-        assert_ne!(object_hash(b"a"), object_hash(b"b"));
-        assert_eq!(object_hash(b"a").len(), 16);
     }
 }

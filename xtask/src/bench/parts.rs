@@ -90,6 +90,15 @@ fn remove_roots() {
     }
 }
 
+/// Removes both pair roots when dropped, so a failed pair leaves no tracker attached.
+struct Roots;
+
+impl Drop for Roots {
+    fn drop(&mut self) {
+        remove_roots();
+    }
+}
+
 /// Both builds' trackers attached (`first` attached first), one churn window: each program's
 /// ns/run.
 fn pair(
@@ -100,6 +109,7 @@ fn pair(
     tag: &str,
 ) -> Result<(f64, f64)> {
     remove_roots();
+    let _roots = Roots;
     let mut daemons = Vec::new();
     for (i, v) in [first, second].into_iter().enumerate() {
         let (root, listen) = SIDES[i];
@@ -131,8 +141,8 @@ fn pair(
             out[i] = (t1 - t0) / (n1 - n0);
         }
     }
+    // Daemons stop before their pins go (drop order: daemons, then _roots).
     drop(daemons);
-    remove_roots();
     Ok((out[0], out[1]))
 }
 
