@@ -43,18 +43,10 @@ impl Scanner {
         // socket seen has had the time to get its owner, as before).
         let start = Instant::now();
         let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len);
-        let mut sockets = 0usize;
-        let sockets_kernel = self.kernel.for_each_socket(|r| {
-            sockets += 1;
-            b.push(&r)
-        })?;
+        let sockets = self.kernel.for_each_socket(|r| b.push(&r))?;
         let sockets_done = Instant::now();
         let mut holders = Holders::default();
-        let mut owners = 0usize;
-        let owners_kernel = self.kernel.for_each_owner(|o| {
-            owners += 1;
-            holders.push(&o)
-        })?;
+        let owners = self.kernel.for_each_owner(|o| holders.push(&o))?;
         let owners_done = Instant::now();
         // Forget units of pids that hold no socket any more (pids get reused).
         let live: HashSet<u32> = holders.pids().collect();
@@ -77,11 +69,11 @@ impl Scanner {
         // decoding them here), then the merge.
         let us = |d: Duration| d.as_micros() as u64;
         tracing::debug!(
-            sockets,
-            owner_records = owners,
-            socket_dump_kernel_us = us(sockets_kernel),
+            sockets = sockets.records,
+            owner_records = owners.records,
+            socket_dump_kernel_us = us(sockets.in_kernel),
             socket_dump_us = us(sockets_done - start),
-            owner_dump_kernel_us = us(owners_kernel),
+            owner_dump_kernel_us = us(owners.in_kernel),
             owner_dump_us = us(owners_done - sockets_done),
             merge_us = us(owners_done.elapsed()),
             "scan"

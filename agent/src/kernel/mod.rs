@@ -84,6 +84,14 @@ pub struct Counters {
     pub map_memory: Vec<(&'static str, u64)>,
 }
 
+/// What one iterator dump was: its records, and the time spent in `read`, i.e. in the kernel
+/// producing them.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Dump {
+    pub records: usize,
+    pub in_kernel: Duration,
+}
+
 /// Run-time statistics of one BPF program (non-zero only while kernel.bpf_stats_enabled=1).
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct ProgramStats {
@@ -314,13 +322,12 @@ impl Kernel {
     }
 
     /// Run an iterator and hand each complete record to `f` as it is read (a small reused
-    /// buffer: the dump is never held in memory as bytes). Returns the time spent in `read`,
-    /// i.e. in the kernel producing the dump.
+    /// buffer: the dump is never held in memory as bytes).
     fn run_iter<T: Copy + Default>(
         it: &mut Iter,
         what: &'static str,
         mut f: impl FnMut(T),
-    ) -> Result<Duration, KernelError> {
+    ) -> Result<Dump, KernelError> {
         let err = |reason: String| KernelError::Iterate { what, reason };
         let id = it.attach().map_err(|e| err(full_chain(&e)))?;
         let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
@@ -328,11 +335,11 @@ impl Kernel {
         let size = std::mem::size_of::<T>();
         let mut buf = vec![0u8; 64 * 1024];
         let mut filled = 0;
-        let mut in_kernel = Duration::ZERO;
+        let mut dump = Dump::default();
         loop {
             let t = Instant::now();
             let read = file.read(&mut buf[filled..]);
-            in_kernel += t.elapsed();
+            dump.in_kernel += t.elapsed();
             let n = match read {
                 Ok(0) => break,
                 Ok(n) => n,
@@ -341,22 +348,23 @@ impl Kernel {
             };
             filled += n;
             let whole = filled - filled % size;
-            records::<T>(&buf[..whole]).for_each(&mut f);
+            records::<T>(&buf[..whole]).for_each(|r| {
+                dump.records += 1;
+                f(r)
+            });
             buf.copy_within(whole..filled, 0);
             filled -= whole;
         }
-        Ok(in_kernel)
+        Ok(dump)
     }
 
-    /// Every TCP socket of this network namespace, one record at a time; returns the time the
-    /// kernel took to dump them.
-    pub fn for_each_socket(&mut self, f: impl FnMut(SockRecord)) -> Result<Duration, KernelError> {
+    /// Every TCP socket of this network namespace, one record at a time.
+    pub fn for_each_socket(&mut self, f: impl FnMut(SockRecord)) -> Result<Dump, KernelError> {
         Self::run_iter(&mut self.iter_tcp, "iter/tcp", f)
     }
 
-    /// Every (socket, process) pair on the host, one record at a time; returns the time the
-    /// kernel took to dump them.
-    pub fn for_each_owner(&mut self, f: impl FnMut(OwnerRecord)) -> Result<Duration, KernelError> {
+    /// Every (socket, process) pair on the host, one record at a time.
+    pub fn for_each_owner(&mut self, f: impl FnMut(OwnerRecord)) -> Result<Dump, KernelError> {
         Self::run_iter(&mut self.iter_files, "iter/task_file", f)
     }
 
