@@ -81,13 +81,19 @@ pub struct DestroyRequest {
 pub mod counter {
     /// Transition events lost because the ring buffer was full (no reader, or reader too slow).
     pub const RING_DROPS: u32 = 0;
-    /// Sockets not tracked because the state map was full.
+    /// Sockets not tracked because their set of the state table was full.
     pub const MAP_FULL: u32 = 1;
     pub const COUNT: u32 = 2;
 }
 
-/// Capacity of the per-socket state map.
-pub const STATE_MAP_ENTRIES: u32 = 262_144;
+/// Capacity of the per-socket state table: [`STATE_SETS`] sets of [`STATE_WAYS`] ways.
+pub const STATE_MAP_ENTRIES: u32 = STATE_SETS * STATE_WAYS as u32;
+/// log2 of the number of sets of the per-socket state table.
+pub const STATE_SET_BITS: u32 = 14;
+pub const STATE_SETS: u32 = 1 << STATE_SET_BITS;
+/// Ways per set: 16 keys on two cache lines. A socket whose set is full is not tracked
+/// (`counter::MAP_FULL`); at 100k sockets (≈ 6 per set on average) that is ≈ 1 in 10 000.
+pub const STATE_WAYS: usize = 16;
 /// Ring buffer size for transition events (must be a power of two multiple of the page size).
 pub const EVENTS_RING_BYTES: u32 = 1 << 22;
 
@@ -172,7 +178,8 @@ impl KernelOffsets {
     }
 }
 
-/// Value of the per-socket state map, keyed by the kernel socket address (`skaddr`).
+/// A socket's record in the per-socket state table (its key, the kernel socket address
+/// `skaddr`, is in [`StateSet::keys`]).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct StateEntry {
@@ -185,6 +192,16 @@ pub struct StateEntry {
     pub dport: u16,
     pub state: u8,
     pub _pad: u8,
+}
+
+/// One set of the per-socket state table (`CONNREAP_STATE`, an array of [`STATE_SETS`] sets):
+/// the socket addresses of its ways (0 = free) together on two cache lines, then their records
+/// (see agent-ebpf's `state.rs`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StateSet {
+    pub keys: [u64; STATE_WAYS],
+    pub entries: [StateEntry; STATE_WAYS],
 }
 
 /// One TCP state transition, sent over the `CONNREAP_EVENTS` ring buffer.
@@ -242,6 +259,9 @@ pub struct EventBatch {
     /// here, next to `busy` and `count`, rather than in `CONNREAP_COUNTERS`: one cache line for
     /// the tracker to touch per run instead of two.
     pub transitions: u64,
+    /// The tracker's scratch word (staging only): the verifier allows no arithmetic on a kernel
+    /// pointer, but a pointer stored to map memory reads back as a plain number.
+    pub scratch: u64,
     pub events: [TransitionEvent; EVENT_BATCH],
 }
 
@@ -325,6 +345,7 @@ mod pod {
     // padding fields, so every bit pattern is valid and there are no implicit padding bytes.
     unsafe impl aya::Pod for super::KernelOffsets {}
     unsafe impl aya::Pod for super::StateEntry {}
+    unsafe impl aya::Pod for super::StateSet {}
     unsafe impl aya::Pod for super::TransitionEvent {}
     unsafe impl aya::Pod for super::SockRecord {}
     unsafe impl aya::Pod for super::OwnerRecord {}
@@ -336,8 +357,10 @@ mod pod {
 const _: () = assert!(core::mem::size_of::<StateEntry>() == 48);
 const _: () = assert!(core::mem::size_of::<TransitionEvent>() == 80);
 const _: () = assert!(core::mem::size_of::<SockRecord>() == 104);
-const _: () = assert!(core::mem::size_of::<EventBatch>() == 24 + 80 * EVENT_BATCH);
+const _: () = assert!(core::mem::size_of::<EventBatch>() == 32 + 80 * EVENT_BATCH);
 const _: () = assert!(EVENT_BATCH.is_power_of_two());
+const _: () = assert!(STATE_WAYS.is_power_of_two());
+const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 48) * STATE_WAYS);
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
 const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 28 * 4);

@@ -9,6 +9,8 @@ mod destroy;
 #[cfg(target_arch = "bpf")]
 mod programs;
 #[cfg(target_arch = "bpf")]
+mod state;
+#[cfg(target_arch = "bpf")]
 mod tracker;
 
 #[cfg(not(target_arch = "bpf"))]

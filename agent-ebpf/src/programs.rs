@@ -13,11 +13,11 @@ use aya_ebpf::{
         generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
     },
     macros::map,
-    maps::{HashMap, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, PerCpuArray, RingBuf},
 };
 use connreap_ebpf::{
     counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
-    AF_INET, AF_INET6, EVENTS_RING_BYTES, IPPROTO_TCP, STATE_MAP_ENTRIES,
+    StateSet, AF_INET, AF_INET6, EVENTS_RING_BYTES, IPPROTO_TCP, STATE_MAP_ENTRIES, STATE_SETS,
 };
 
 #[no_mangle]
@@ -28,22 +28,24 @@ pub static LICENSE: [u8; 4] = *b"GPL\0";
 #[no_mangle]
 pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
 
-/// Per-socket state and the jiffy it was entered, keyed by the kernel socket address.
-///
-/// Allocated on demand, so its kernel memory follows the number of tracked sockets (≈ 4 MB of
-/// buckets + ≈ 128 B per socket, exported as `connreap_bpf_map_memory_bytes`). A preallocated
-/// map would cost a fixed ≈ 31 MB and is not faster under churn here (the `prealloc` variant of
-/// `cargo xtask bench --probe-parts`, BENCHMARKS.md).
+/// Per-socket state, the jiffy it was entered and the 4-tuple: a set-associative table of
+/// [`STATE_SETS`] sets (see `state.rs`). Preallocated: a fixed ≈ 14.7 MB of kernel memory
+/// (exported as `connreap_bpf_map_memory_bytes`) for up to 262 144 sockets.
 #[map(name = "CONNREAP_STATE")]
-pub(crate) static CONNREAP_STATE: HashMap<u64, StateEntry> =
-    HashMap::pinned(STATE_MAP_ENTRIES, STATE_MAP_FLAGS);
+pub(crate) static CONNREAP_STATE: Array<StateSet> = Array::pinned(STATE_SETS, 0);
 
-/// Bench-only `prealloc` variant: the same map with preallocated elements.
-const STATE_MAP_FLAGS: u32 = if crate::tracker::variant_is("prealloc") {
-    0
-} else {
-    BPF_F_NO_PREALLOC
-};
+/// Bench-only `hash` variant of the tracker: the per-socket state in the kernel hash map the
+/// table replaced (allocated on demand, keyed by socket address). One entry and unused in
+/// every other build; not pinned, so it lives and dies with the tracker that uses it.
+#[map(name = "CONNREAP_HASH")]
+pub(crate) static CONNREAP_HASH: HashMap<u64, StateEntry> = HashMap::with_max_entries(
+    if crate::tracker::variant_is("hash") {
+        STATE_MAP_ENTRIES
+    } else {
+        1
+    },
+    BPF_F_NO_PREALLOC,
+);
 
 #[map(name = "CONNREAP_EVENTS")]
 pub(crate) static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
@@ -128,7 +130,7 @@ struct FullSock {
 
 /// Fields of a full TCP socket: direct loads through the helper's tcp_sock view.
 #[inline(always)]
-fn full_sock(sk: u64, tp: *const u8, state: u8) -> FullSock {
+fn full_sock(sk_number: u64, tp: *const u8, state: u8) -> FullSock {
     let socket: u64 = sk_field(tp, off!(sk_socket));
     // struct socket's inode lies outside struct socket: a checked read.
     let inode = if socket != 0 {
@@ -165,7 +167,10 @@ fn full_sock(sk: u64, tp: *const u8, state: u8) -> FullSock {
         idle,
         state_age_jiffies: 0,
     };
-    if let Some(entry) = unsafe { CONNREAP_STATE.get(&sk) } {
+    if let Some(entry) = crate::state::get(sk_number) {
+        // SAFETY: a record of the state table; the socket's lock, which the iterator holds,
+        // keeps its own transitions from changing it meanwhile.
+        let entry = unsafe { &*entry };
         if entry.state == state {
             out.state_age_jiffies = now_j.wrapping_sub(entry.since_jiffies);
             out.flags |= sock_flags::SINCE_KNOWN;
@@ -223,7 +228,9 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     let full = if tp.is_null() {
         FullSock::default()
     } else {
-        full_sock(sk, tp, state)
+        // The socket's address as a number for the state table (see state.rs): the context's
+        // pointer field read through a probe read is a plain value to the verifier.
+        full_sock(read::<u64>(ctx as u64 + 8), tp, state)
     };
     let rec = SockRecord {
         skaddr: sk,

@@ -1,5 +1,6 @@
 //! The state tracker: a BTF tracepoint on `inet_sock_set_state(sk, oldstate, newstate)` that
-//! keeps each socket's state and the jiffy it entered it in `CONNREAP_STATE`, and sends every
+//! keeps each socket's state, the jiffy it entered it and its 4-tuple in `CONNREAP_STATE` (the
+//! set-associative table of state.rs), and sends every
 //! transition to userspace through a per-CPU staging batch and the `CONNREAP_EVENTS` ring; plus
 //! `connreap_flush_events`, which the daemon runs on each CPU to send partial batches.
 use core::ffi::c_void;
@@ -18,8 +19,9 @@ use connreap_ebpf::{
 use crate::{
     off,
     programs::{
-        addr16, bump, bump_by, bytes16, sk_field, CONNREAP_EVENTS, CONNREAP_STAGING, CONNREAP_STATE,
+        addr16, bump, bump_by, bytes16, sk_field, CONNREAP_EVENTS, CONNREAP_HASH, CONNREAP_STAGING,
     },
+    state,
 };
 
 #[btf_tracepoint(function = "inet_sock_set_state")]
@@ -63,6 +65,8 @@ const NO_RING: bool = variant_is("no-ring");
 const UNBATCHED: bool = variant_is("unbatched");
 /// Stamps transitions with bpf_ktime_get_ns instead of jiffies (ages are wrong: cost only).
 const KTIME: bool = variant_is("ktime");
+/// The per-socket state in the kernel hash map the set-associative table replaced.
+const HASH: bool = variant_is("hash");
 
 fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     let sk: *const u8 = ctx.arg(0);
@@ -113,36 +117,9 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
         newstate,
     };
 
-    if NO_MAP {
-    } else if newstate == tcp_state::CLOSE {
-        let _ = CONNREAP_STATE.remove(&t.skaddr);
-    } else {
-        let entry = StateEntry {
-            since_jiffies: t.now,
-            saddr: bytes16(t.saddr),
-            daddr: bytes16(t.daddr),
-            family: t.family,
-            sport: t.sport,
-            dport: t.dport,
-            state: newstate,
-            _pad: 0,
-        };
-        if oldstate == tcp_state::CLOSE || oldstate == tcp_state::LISTEN {
-            // A new socket (connect, listen, or a child cloned from a listener): insert without
-            // looking up first (BPF_ANY also replaces a stale record at a reused address).
-            if CONNREAP_STATE.insert(&t.skaddr, &entry, 0).is_err() {
-                bump(counter::MAP_FULL);
-            }
-        } else if let Some(existing) = CONNREAP_STATE.get_ptr_mut(&t.skaddr) {
-            // Update in place: no allocation for sockets already tracked.
-            // SAFETY: a valid map value pointer; a concurrent reader may see a torn update,
-            // which the iterator tolerates (it only uses since_jiffies when the state matches).
-            unsafe { *existing = entry };
-        } else if CONNREAP_STATE.insert(&t.skaddr, &entry, 0).is_err() {
-            bump(counter::MAP_FULL);
-        }
+    if !NO_MAP {
+        track(&t, batch);
     }
-
     if NO_RING {
         return Ok(());
     }
@@ -152,6 +129,48 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
         stage(&t, batch);
     }
     Ok(())
+}
+
+/// Keep the socket's record in the state table: written on every transition, freed on close.
+#[inline(always)]
+fn track(t: &Transition, batch: *mut EventBatch) {
+    if HASH {
+        return track_in_hash(t);
+    }
+    // The socket's address as a plain number (see EventBatch::scratch and state.rs).
+    // SAFETY: this CPU's staging value; only the tracker writes `scratch`, and it does not
+    // nest on a CPU.
+    let sk = unsafe {
+        core::ptr::write_volatile(&mut (*batch).scratch, t.skaddr);
+        core::ptr::read_volatile(&(*batch).scratch)
+    };
+    if t.newstate == tcp_state::CLOSE {
+        state::remove(sk);
+    } else if !state::put(sk, &t.entry()) {
+        bump(counter::MAP_FULL);
+    }
+}
+
+/// The bench-only `hash` variant's table: the kernel hash map (see programs.rs).
+#[inline(always)]
+fn track_in_hash(t: &Transition) {
+    if t.newstate == tcp_state::CLOSE {
+        let _ = CONNREAP_HASH.remove(&t.skaddr);
+        return;
+    }
+    let entry = t.entry();
+    if t.oldstate == tcp_state::CLOSE || t.oldstate == tcp_state::LISTEN {
+        // A new socket: insert without looking up first (BPF_ANY also replaces a stale
+        // record at a reused address).
+        if CONNREAP_HASH.insert(&t.skaddr, &entry, 0).is_err() {
+            bump(counter::MAP_FULL);
+        }
+    } else if let Some(existing) = CONNREAP_HASH.get_ptr_mut(&t.skaddr) {
+        // SAFETY: a valid map value pointer.
+        unsafe { *existing = entry };
+    } else if CONNREAP_HASH.insert(&t.skaddr, &entry, 0).is_err() {
+        bump(counter::MAP_FULL);
+    }
 }
 
 /// What the tracker read about one transition.
@@ -165,6 +184,23 @@ struct Transition {
     dport: u16,
     oldstate: u8,
     newstate: u8,
+}
+
+impl Transition {
+    /// The socket's record in the state table.
+    #[inline(always)]
+    fn entry(&self) -> StateEntry {
+        StateEntry {
+            since_jiffies: self.now,
+            saddr: bytes16(self.saddr),
+            daddr: bytes16(self.daddr),
+            family: self.family,
+            sport: self.sport,
+            dport: self.dport,
+            state: self.newstate,
+            _pad: 0,
+        }
+    }
 }
 
 /// Store 16 bytes as two 8-byte stores (a plain array assignment may become a memmove call).

@@ -77,7 +77,7 @@ fn init_tracing(verbose: bool) {
 fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow::Result<()> {
     let filter = filter.parse().map_err(anyhow::Error::msg)?;
     let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
-    let table = scanner.scan()?;
+    let table = scanner.scan_parallel()?;
     let mut selected: Vec<&table::Socket> = table.iter().filter(|s| filter.matches(s)).collect();
     snapshot::sort_for_display(&mut selected);
     let groups = snapshot::summarize(

@@ -124,7 +124,7 @@ impl Metrics {
         );
         registry.register(
             "bpf_map_full",
-            "Sockets not tracked because the state map was full",
+            "Sockets not tracked because their set of the state table was full",
             m.map_full.clone(),
         );
         registry.register(

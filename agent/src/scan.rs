@@ -38,16 +38,31 @@ impl Scanner {
         }
     }
 
+    /// One scan, the owner dump after the socket dump (so a socket seen has had the time to
+    /// get its owner): what the daemon and reclaim decisions use.
     pub fn scan(&mut self) -> Result<Vec<Socket>, KernelError> {
-        // Socket records become table rows as they are read; the owner dump follows (so a
-        // socket seen has had the time to get its owner, as before).
+        self.scan_with(false)
+    }
+
+    /// One scan with both dumps at once (see [`Kernel::for_each_both`]): for a one-shot
+    /// snapshot, where the wall time is what a person waits for.
+    pub fn scan_parallel(&mut self) -> Result<Vec<Socket>, KernelError> {
+        self.scan_with(true)
+    }
+
+    fn scan_with(&mut self, parallel: bool) -> Result<Vec<Socket>, KernelError> {
+        // Socket records become table rows as they are read.
         let start = Instant::now();
         let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len);
-        let sockets = self.kernel.for_each_socket(|r| b.push(&r))?;
-        let sockets_done = Instant::now();
         let mut holders = Holders::default();
-        let owners = self.kernel.for_each_owner(|o| holders.push(&o))?;
-        let owners_done = Instant::now();
+        let (sockets, owners) = if parallel {
+            self.kernel
+                .for_each_both(|r| b.push(&r), |o| holders.push(&o))?
+        } else {
+            let sockets = self.kernel.for_each_socket(|r| b.push(&r))?;
+            (sockets, self.kernel.for_each_owner(|o| holders.push(&o))?)
+        };
+        let dumps_done = Instant::now();
         // Forget units of pids that hold no socket any more (pids get reused).
         let live: HashSet<u32> = holders.pids().collect();
         self.units.retain(|pid, _| live.contains(pid));
@@ -66,16 +81,18 @@ impl Scanner {
         self.last_len = table.len();
         // Where a scan's time goes, for `RUST_LOG=connreap::scan=debug` and the benchmarks:
         // each dump's time in the kernel (the iterator producing records) and in total (plus
-        // decoding them here), then the merge.
+        // decoding them here), both dumps' wall time (their sum, or the longer one in a
+        // parallel scan), then the merge.
         let us = |d: Duration| d.as_micros() as u64;
         tracing::debug!(
             sockets = sockets.records,
             owner_records = owners.records,
             socket_dump_kernel_us = us(sockets.in_kernel),
-            socket_dump_us = us(sockets_done - start),
+            socket_dump_us = us(sockets.total),
             owner_dump_kernel_us = us(owners.in_kernel),
-            owner_dump_us = us(owners_done - sockets_done),
-            merge_us = us(owners_done.elapsed()),
+            owner_dump_us = us(owners.total),
+            dumps_us = us(dumps_done - start),
+            merge_us = us(dumps_done.elapsed()),
             "scan"
         );
         Ok(table)

@@ -535,3 +535,57 @@ fn a_second_pin_root_runs_its_own_tracker_next_to_the_default_one() {
         "unpinning the canary removed the default root's tracker"
     );
 }
+
+/// The state table (a set-associative array, see agent-ebpf's state.rs) at a few thousand
+/// sockets: every socket made after the tracker attached gets an exact age, a state change
+/// updates its record in place, and closing sockets frees their ways for the next ones.
+#[test]
+fn thousands_of_sockets_all_get_exact_ages_and_closed_ones_free_their_records() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    const N: usize = 2000;
+    let ns = NetNs::new("many");
+    pin_tracker(&ns);
+    let (srv, _) = peer(&ns, &["listen", "--addr", "127.0.0.1:7400"]);
+    let n = N.to_string();
+    let connect = ["connect", "--addr", "127.0.0.1:7400", "--count", n.as_str()];
+    let exact_in = |socks: &[SocketRow], pid: u32, state: &str| {
+        let mine: Vec<&SocketRow> = socks
+            .iter()
+            .filter(|s| s.pid == Some(pid) && s.state == state)
+            .collect();
+        let inexact: Vec<&&SocketRow> = mine.iter().filter(|s| !s.age_exact).collect();
+        (mine.len(), inexact.len())
+    };
+    for round in 0..2 {
+        let (cli, _) = peer(&ns, &connect);
+        let socks = wait_until(Duration::from_secs(20), POLL, || {
+            let socks = sockets(&snapshot(&ns, &["--port", "7400"]));
+            (exact_in(&socks, cli.pid(), "ESTABLISHED").0 == N
+                && exact_in(&socks, srv.pid(), "ESTABLISHED").0 == N)
+                .then_some(socks)
+        })
+        .unwrap_or_else(|| sockets(&snapshot(&ns, &["--port", "7400"])));
+        for pid in [cli.pid(), srv.pid()] {
+            assert_eq!(
+                exact_in(&socks, pid, "ESTABLISHED"),
+                (N, 0),
+                "round {round}: (ESTABLISHED sockets of pid {pid}, of them without an exact age)"
+            );
+        }
+        // The client exits: the server's ends move to CLOSE_WAIT (updated in place), the
+        // client's close (their ways are freed for the next round).
+        cli.kill();
+        let socks = wait_until(Duration::from_secs(20), POLL, || {
+            let socks = sockets(&snapshot(&ns, &["--port", "7400", "--state", "CLOSE_WAIT"]));
+            (exact_in(&socks, srv.pid(), "CLOSE_WAIT").0 == N * (round + 1)).then_some(socks)
+        })
+        .unwrap_or_else(|| sockets(&snapshot(&ns, &["--port", "7400"])));
+        assert_eq!(
+            exact_in(&socks, srv.pid(), "CLOSE_WAIT"),
+            (N * (round + 1), 0),
+            "round {round}: (CLOSE_WAIT sockets of the server, of them without an exact age)"
+        );
+    }
+}

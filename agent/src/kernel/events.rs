@@ -182,6 +182,7 @@ mod tests {
             busy: 0,
             wake_mark: 0,
             transitions: 0,
+            scratch: 0,
             events: [ev(99); EVENT_BATCH],
         };
         for i in 0..3 {

@@ -89,7 +89,10 @@ pub struct Counters {
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Dump {
     pub records: usize,
+    /// Time in read(): the iterator producing records.
     pub in_kernel: Duration,
+    /// The whole dump: attach, reads, and decoding the records.
+    pub total: Duration,
 }
 
 /// Run-time statistics of one BPF program (non-zero only while kernel.bpf_stats_enabled=1).
@@ -329,6 +332,7 @@ impl Kernel {
         mut f: impl FnMut(T),
     ) -> Result<Dump, KernelError> {
         let err = |reason: String| KernelError::Iterate { what, reason };
+        let start = Instant::now();
         let id = it.attach().map_err(|e| err(full_chain(&e)))?;
         let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
         let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
@@ -355,6 +359,7 @@ impl Kernel {
             buf.copy_within(whole..filled, 0);
             filled -= whole;
         }
+        dump.total = start.elapsed();
         Ok(dump)
     }
 
@@ -366,6 +371,30 @@ impl Kernel {
     /// Every (socket, process) pair on the host, one record at a time.
     pub fn for_each_owner(&mut self, f: impl FnMut(OwnerRecord)) -> Result<Dump, KernelError> {
         Self::run_iter(&mut self.iter_files, "iter/task_file", f)
+    }
+
+    /// Both dumps at once, the owner dump on a second thread: a one-shot snapshot's wall time
+    /// is the longer dump instead of their sum. A socket created while they run may show no
+    /// owner (the owner dump may pass its process first); the daemon dumps one after the
+    /// other, so a socket it sees has had the time to get its owner.
+    pub fn for_each_both(
+        &mut self,
+        on_socket: impl FnMut(SockRecord),
+        on_owner: impl FnMut(OwnerRecord) + Send,
+    ) -> Result<(Dump, Dump), KernelError> {
+        let (iter_tcp, iter_files) = (&mut self.iter_tcp, &mut self.iter_files);
+        std::thread::scope(|scope| {
+            let owners =
+                scope.spawn(move || Self::run_iter(iter_files, "iter/task_file", on_owner));
+            let sockets = Self::run_iter(iter_tcp, "iter/tcp", on_socket);
+            let owners = owners.join().unwrap_or_else(|_| {
+                Err(KernelError::Iterate {
+                    what: "iter/task_file",
+                    reason: "the owner dump's thread panicked".into(),
+                })
+            });
+            Ok((sockets?, owners?))
+        })
     }
 
     /// A per-CPU array this process keeps, by name.

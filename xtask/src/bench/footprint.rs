@@ -122,7 +122,7 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
         format!(
             "Kernel side (not in VmRSS, the kernel's own accounting from /metrics \
              `connreap_bpf_map_memory_bytes`): {:.1} MB of BPF maps, of which the per-socket \
-             state map (allocated per tracked socket) is {:.1} MB and the event ring {:.1} MB.",
+             state table (preallocated, fixed) is {:.1} MB and the event ring {:.1} MB.",
             m1.sum("connreap_bpf_map_memory_bytes") / 1048576.0,
             m1.get("connreap_bpf_map_memory_bytes", Some("map=\"state\""))
                 .unwrap_or(0.0)

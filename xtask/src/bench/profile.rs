@@ -166,7 +166,7 @@ impl Profile {
         const PARTS: [(&str, &[&str]); 6] = [
             ("program body (JIT)", &["connreap_set_state"]),
             (
-                "hash map (CONNREAP_STATE)",
+                "state table (CONNREAP_STATE; kernel map code only in the hash variant)",
                 &[
                     "htab_",
                     "alloc_htab_elem",
