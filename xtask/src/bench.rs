@@ -76,6 +76,9 @@ pub struct Ctx {
     pub runs_per_conn: Option<f64>,
     /// ns per transition of the classic tracepoint's dispatch (outside the program), from perf.
     pub dispatch_ns: Option<f64>,
+    /// µs of CPU per churn connection in the tracker and its dispatch with bpf_stats off (as in
+    /// measure 2), from perf's share of all samples.
+    pub tracker_perf_us: Option<f64>,
 }
 
 impl Ctx {
@@ -279,6 +282,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
         set_state_ns: None,
         runs_per_conn: None,
         dispatch_ns: None,
+        tracker_perf_us: None,
     };
     let mut rows = Vec::new();
     let mut noisy = busy.clone();

@@ -147,6 +147,7 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
     ctx.idle_kinds = Some(a.kinds.clone());
     ctx.iter_ns = Some((b.per[1].3, b.per[2].3));
     ctx.set_state_ns = Some(a.median());
+    ctx.runs_per_conn = Some(a.per[0].2 / a.churn.conns.max(1) as f64);
     let prof = ctx.perf.then(|| tracker_profile(ctx, &h)).and_then(|p| {
         p.map_err(|e| eprintln!("bench: perf profile of the tracker failed: {e:#}"))
             .ok()
@@ -156,7 +157,6 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let reps: Vec<String> = a.reps.iter().map(|r| format!("{r:.0}")).collect();
     let conns = a.churn.conns.max(1) as f64;
     let runs_per_conn = st_n / conns;
-    ctx.runs_per_conn = Some(runs_per_conn);
     let share = st_t / (a.churn.elapsed.as_secs_f64() * 1e9 * WORKERS as f64) * 100.0;
     let b_avg = b.per[0].3;
     let mut row = Row {
@@ -198,8 +198,9 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
             row.diagnosis.push(diagnosis);
         }
     }
-    if let Some((details, diagnosis, dispatch_ns)) = prof {
+    if let Some((details, diagnosis, dispatch_ns, perf_us)) = prof {
         ctx.dispatch_ns = dispatch_ns;
+        ctx.tracker_perf_us = perf_us;
         row.details.extend(details);
         if row.verdict == Verdict::Miss {
             row.diagnosis.extend(diagnosis);
@@ -220,16 +221,25 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
 }
 
 /// `perf record -a` over a churn window: the tracker's kernel symbols by part.
-fn tracker_profile(ctx: &Ctx, h: &NsHandle) -> Result<(Vec<String>, Vec<String>, Option<f64>)> {
+/// What the tracker's profile gives: report lines, diagnosis, the dispatch's ns per transition,
+/// and the tracker's µs per connection with bpf_stats off.
+type TrackerProfile = (Vec<String>, Vec<String>, Option<f64>, Option<f64>);
+
+fn tracker_profile(ctx: &Ctx, h: &NsHandle) -> Result<TrackerProfile> {
     // A daemon that reads the event ring but does not scan during the window, so the iterators'
     // helpers do not mix into the tracker's symbols.
     let _d = Daemon::start(h, &ctx.dir, "profile", "1h", "")?;
     let rec = profile::Recording::start(None, &ctx.dir, "tracker")?;
     let dur = Duration::from_secs(if ctx.smoke { 1 } else { 3 });
-    load::churn(h, WORKERS, dur)?;
+    let churn = load::churn(h, WORKERS, dur)?;
     let prof = rec.finish()?;
     let parts = prof.tracker_parts();
     let total: f64 = parts.iter().map(|p| p.1).sum();
+    // perf -a samples every CPU, idle or not: its share of all samples is that share of
+    // (CPUs × window) of CPU time, here with bpf_stats off (no clock reads around each run).
+    let cpus = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let perf_us = (churn.conns > 0 && total > 0.0)
+        .then(|| total / 100.0 * cpus * churn.elapsed.as_secs_f64() * 1e6 / churn.conns as f64);
     let inside: f64 = parts
         .iter()
         .filter(|p| !p.0.starts_with("tracepoint dispatch"))
@@ -284,5 +294,17 @@ fn tracker_profile(ctx: &Ctx, h: &NsHandle) -> Result<(Vec<String>, Vec<String>,
              in run_time_ns) adds about {d:.0} ns per transition."
         ));
     }
-    Ok((details, diagnosis, dispatch_ns))
+    if let Some(us) = perf_us {
+        details.push(format!(
+            "\nWith bpf_stats off, the tracker and its dispatch cost {us:.2} µs of CPU per \
+             connection ({:.0} ns per transition at {:.1} runs per connection): that share of \
+             ({cpus:.0} CPUs × the window) over its {} connections. run_time_ns also counts the \
+             clock reads bpf_stats adds around each run; measure 2 runs with bpf_stats off and \
+             uses this figure.",
+            us * 1e3 / ctx.runs_per_conn.unwrap_or(f64::NAN),
+            ctx.runs_per_conn.unwrap_or(f64::NAN),
+            churn.conns
+        ));
+    }
+    Ok((details, diagnosis, dispatch_ns, perf_us))
 }
