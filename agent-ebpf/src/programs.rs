@@ -39,7 +39,7 @@ pub(crate) static CONNREAP_STATE: Array<StateSet> = Array::pinned(STATE_SETS, 0)
 /// every other build; not pinned, so it lives and dies with the tracker that uses it.
 #[map(name = "CONNREAP_HASH")]
 pub(crate) static CONNREAP_HASH: HashMap<u64, StateEntry> = HashMap::with_max_entries(
-    if crate::tracker::variant_is("hash") {
+    if connreap_ebpf::variant_is("hash") {
         STATE_MAP_ENTRIES
     } else {
         1

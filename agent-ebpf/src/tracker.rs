@@ -12,8 +12,8 @@ use aya_ebpf::{
     programs::BtfTracePointContext,
 };
 use connreap_ebpf::{
-    counter, flush, tcp_state, EventBatch, StateEntry, TransitionEvent, AF_INET6, EVENT_BATCH,
-    IPPROTO_TCP,
+    counter, flush, tcp_state, variant_is, EventBatch, StateEntry, TransitionEvent, AF_INET6,
+    EVENT_BATCH, IPPROTO_TCP,
 };
 
 use crate::{
@@ -34,27 +34,8 @@ pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
 /// most batches cost no wakeup).
 const WAKEUP_BYTES: u64 = 256 * 1024;
 
-/// Bench-only build variants of the tracker, to measure what each part of it costs
-/// (`cargo xtask bench --probe-parts` builds one object per variant). Normal builds never set
-/// `CONNREAP_PROBE_VARIANT`: these are compile-time constants and the checks compile away.
-const VARIANT: &str = match option_env!("CONNREAP_PROBE_VARIANT") {
-    Some(v) => v,
-    None => "full",
-};
-pub(crate) const fn variant_is(name: &str) -> bool {
-    let (a, b) = (VARIANT.as_bytes(), name.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
+// Bench-only build variants of the tracker, to measure what each part of it costs
+// (`cargo xtask bench --probe-parts` builds one object per variant, see connreap_ebpf::variant_is).
 /// Count the transition and stop: the floor (entry, stats, ctx loads).
 const COUNT_ONLY: bool = variant_is("count-only");
 /// Everything but the per-socket state map.

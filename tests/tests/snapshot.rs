@@ -537,14 +537,19 @@ fn a_second_pin_root_runs_its_own_tracker_next_to_the_default_one() {
 }
 
 /// The state table (a set-associative array, see agent-ebpf's state.rs) at a few thousand
-/// sockets: every socket made after the tracker attached gets an exact age, a state change
-/// updates its record in place, and closing sockets frees their ways for the next ones.
+/// sockets: sockets made after the tracker attached get exact ages, a state change updates the
+/// record in place, and closing sockets frees their ways for the next ones. Not quite every
+/// socket: the kernel skips a tracepoint run that would nest in another on the same CPU (a
+/// softirq arriving during a process-context run; bpftool shows them as `recursion_misses`),
+/// and a socket whose transition was skipped shows a lower bound instead. Those are rare, so
+/// at most MISSED of them are allowed here.
 #[test]
 fn thousands_of_sockets_all_get_exact_ages_and_closed_ones_free_their_records() {
     let Some(_env) = require_privileges() else {
         return;
     };
     const N: usize = 2000;
+    const MISSED: usize = N / 50;
     let ns = NetNs::new("many");
     pin_tracker(&ns);
     let (srv, _) = peer(&ns, &["listen", "--addr", "127.0.0.1:7400"]);
@@ -568,10 +573,11 @@ fn thousands_of_sockets_all_get_exact_ages_and_closed_ones_free_their_records() 
         })
         .unwrap_or_else(|| sockets(&snapshot(&ns, &["--port", "7400"])));
         for pid in [cli.pid(), srv.pid()] {
-            assert_eq!(
-                exact_in(&socks, pid, "ESTABLISHED"),
-                (N, 0),
-                "round {round}: (ESTABLISHED sockets of pid {pid}, of them without an exact age)"
+            let (n, inexact) = exact_in(&socks, pid, "ESTABLISHED");
+            assert!(
+                n == N && inexact <= MISSED,
+                "round {round}: {n} ESTABLISHED sockets of pid {pid} (want {N}), {inexact} of \
+                 them without an exact age (at most {MISSED} allowed)"
             );
         }
         // The client exits: the server's ends move to CLOSE_WAIT (updated in place), the
@@ -582,10 +588,13 @@ fn thousands_of_sockets_all_get_exact_ages_and_closed_ones_free_their_records() 
             (exact_in(&socks, srv.pid(), "CLOSE_WAIT").0 == N * (round + 1)).then_some(socks)
         })
         .unwrap_or_else(|| sockets(&snapshot(&ns, &["--port", "7400"])));
-        assert_eq!(
-            exact_in(&socks, srv.pid(), "CLOSE_WAIT"),
-            (N * (round + 1), 0),
-            "round {round}: (CLOSE_WAIT sockets of the server, of them without an exact age)"
+        let (n, inexact) = exact_in(&socks, srv.pid(), "CLOSE_WAIT");
+        assert!(
+            n == N * (round + 1) && inexact <= MISSED * (round + 1),
+            "round {round}: {n} CLOSE_WAIT sockets of the server (want {}), {inexact} of them \
+             without an exact age (at most {} allowed)",
+            N * (round + 1),
+            MISSED * (round + 1)
         );
     }
 }

@@ -108,7 +108,19 @@ pub fn build_agent() -> Result<()> {
 
 /// The agent around whatever BPF object was built last.
 pub fn build_agent_only() -> Result<()> {
-    run(cargo().args(["build", "--release", "--package", "connreap"]))
+    build_agent_variant(None)
+}
+
+/// The agent around whatever BPF object was built last; `variant` also reaches the shared types
+/// (connreap-ebpf's lib), so both sides of a bench-only variant agree.
+pub fn build_agent_variant(variant: Option<&str>) -> Result<()> {
+    let mut cmd = cargo();
+    cmd.args(["build", "--release", "--package", "connreap"]);
+    match variant {
+        Some(v) => cmd.env("CONNREAP_PROBE_VARIANT", v),
+        None => cmd.env_remove("CONNREAP_PROBE_VARIANT"),
+    };
+    run(&mut cmd)
 }
 
 pub fn agent_bin() -> PathBuf {

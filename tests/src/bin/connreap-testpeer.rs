@@ -140,7 +140,9 @@ fn listen(addr: SocketAddr) -> Result<TcpListener, String> {
         sock.set_only_v6(false).map_err(fail)?;
     }
     sock.bind(&bind.into()).map_err(fail)?;
-    sock.listen(128).map_err(fail)?;
+    // Room for a test's whole burst of connects: a full accept queue drops SYNs, and the
+    // client's connect() then waits for a retransmit (1 s, 2 s, ...).
+    sock.listen(4096).map_err(fail)?;
     Ok(sock.into())
 }
 
