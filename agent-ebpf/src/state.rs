@@ -21,9 +21,13 @@ use crate::programs::CONNREAP_STATE;
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
-/// The set of the socket at address `sk`.
+/// The set of the socket at address `sk`; none for 0, the key of a free way (a failed read of
+/// the address must not find a free way's leftover record).
 #[inline(always)]
 fn set_of(sk: u64) -> Option<*mut StateSet> {
+    if sk == 0 {
+        return None;
+    }
     // Socket addresses are slab objects: the low 6 bits carry nothing.
     let idx = ((sk >> 6).wrapping_mul(GOLDEN) >> (64 - STATE_SET_BITS)) as u32;
     CONNREAP_STATE.get_ptr_mut(idx)

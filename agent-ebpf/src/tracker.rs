@@ -38,7 +38,7 @@ const WAKEUP_BYTES: u64 = 256 * 1024;
 // (`cargo xtask bench --probe-parts` builds one object per variant, see connreap_ebpf::variant_is).
 /// Count the transition and stop: the floor (entry, stats, ctx loads).
 const COUNT_ONLY: bool = variant_is("count-only");
-/// Everything but the per-socket state map.
+/// Everything but the per-socket state table.
 const NO_MAP: bool = variant_is("no-map");
 /// Everything but the event ring.
 const NO_RING: bool = variant_is("no-ring");
