@@ -538,13 +538,14 @@ fn a_second_pin_root_runs_its_own_tracker_next_to_the_default_one() {
 
 /// The state table (a set-associative array, see agent-ebpf's state.rs) at a few thousand
 /// sockets: sockets made after the tracker attached get exact ages, a state change updates the
-/// record in place, and closing sockets frees their ways for the next ones. Not quite every
+/// record in place, and a second round of sockets (after the first closed) is tracked as well.
+/// (Whether closing frees a way is not observable here: the table holds 262 144.) Not quite every
 /// socket: the kernel skips a tracepoint run that would nest in another on the same CPU (a
 /// softirq arriving during a process-context run; bpftool shows them as `recursion_misses`),
 /// and a socket whose transition was skipped shows a lower bound instead. Those are rare, so
 /// at most MISSED of them are allowed here.
 #[test]
-fn thousands_of_sockets_all_get_exact_ages_and_closed_ones_free_their_records() {
+fn thousands_of_sockets_get_exact_ages_updated_in_place_over_two_rounds() {
     let Some(_env) = require_privileges() else {
         return;
     };
@@ -580,8 +581,8 @@ fn thousands_of_sockets_all_get_exact_ages_and_closed_ones_free_their_records() 
                  them without an exact age (at most {MISSED} allowed)"
             );
         }
-        // The client exits: the server's ends move to CLOSE_WAIT (updated in place), the
-        // client's close (their ways are freed for the next round).
+        // The client exits: the server's ends move to CLOSE_WAIT (updated in place) and the
+        // client's ends close.
         cli.kill();
         let socks = wait_until(Duration::from_secs(20), POLL, || {
             let socks = sockets(&snapshot(&ns, &["--port", "7400", "--state", "CLOSE_WAIT"]));

@@ -118,7 +118,7 @@ after a scan before the load and after the second scan after it; avg = Δrun_tim
 namespace. Window B: the daemon runs in the churn's namespace at the default 5 s interval (its \
 iterator figures are per socket / per file). Then, with stats off and a daemon that reads the ring \
 but does not scan, `perf record -a` during 3 s more of churn splits the tracker's kernel time by part. \
-With `--probe-parts`, bench-only builds of the tracker (no event ring; no state table; count only; the hash map the table replaced) \
+With `--probe-parts`, bench-only builds of the tracker (no event ring; no state table; count only; the hash map the table replaced; 32-event ring records) \
 run in alternated 3 s windows next to the shipped one, so each part's cost is a difference \
 measured in the same run.
 2. **Churn overhead**: rounds of one scan interval (5 s), alternated ABBA: *detached* after \

@@ -147,16 +147,16 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
     ctx.idle_kinds = Some(a.kinds.clone());
     ctx.iter_ns = Some((b.per[1].3, b.per[2].3));
     ctx.set_state_ns = Some(a.median());
-    ctx.runs_per_conn = Some(a.per[0].2 / a.churn.conns.max(1) as f64);
+    let (_, st_t, st_n, _) = a.per[0];
+    let runs_per_conn = st_n / a.churn.conns.max(1) as f64;
+    // Before the profile, which reports per-transition figures with it.
+    ctx.runs_per_conn = Some(runs_per_conn);
     let prof = ctx.perf.then(|| tracker_profile(ctx, &h)).and_then(|p| {
         p.map_err(|e| eprintln!("bench: perf profile of the tracker failed: {e:#}"))
             .ok()
     });
-    let (_, st_t, st_n, _) = a.per[0];
     let st_avg = a.median();
     let reps: Vec<String> = a.reps.iter().map(|r| format!("{r:.0}")).collect();
-    let conns = a.churn.conns.max(1) as f64;
-    let runs_per_conn = st_n / conns;
     let share = st_t / (a.churn.elapsed.as_secs_f64() * 1e9 * WORKERS as f64) * 100.0;
     let b_avg = b.per[0].3;
     let mut row = Row {
