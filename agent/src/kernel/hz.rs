@@ -1,5 +1,8 @@
 //! CONFIG_HZ (the jiffies clock rate), to turn the kernel's jiffies into durations.
-use std::{fs, io::Read as _};
+use std::{
+    fs,
+    io::{BufRead, BufReader},
+};
 
 /// CONFIG_HZ from the kernel config, or measured from /proc/timer_list.
 pub fn kernel_hz() -> u32 {
@@ -12,25 +15,25 @@ pub fn kernel_hz() -> u32 {
     })
 }
 
-fn parse_config_hz(config: &str) -> Option<u32> {
+/// CONFIG_HZ from a kernel config, reading no further than its line (about an eighth of a
+/// compressed /proc/config.gz, which every `snapshot` would otherwise inflate whole).
+fn parse_config_hz(config: impl BufRead) -> Option<u32> {
     config
         .lines()
-        .find_map(|l| l.strip_prefix("CONFIG_HZ="))
-        .and_then(|v| v.trim().parse().ok())
+        .map_while(Result::ok)
+        .find_map(|l| l.strip_prefix("CONFIG_HZ=").map(|v| v.trim().parse().ok()))
+        .flatten()
 }
 
 fn config_hz() -> Option<u32> {
     if let Ok(f) = fs::File::open("/proc/config.gz") {
-        let mut s = String::new();
-        if flate2::read::GzDecoder::new(f)
-            .read_to_string(&mut s)
-            .is_ok()
-        {
-            return parse_config_hz(&s);
+        if let Some(hz) = parse_config_hz(BufReader::new(flate2::read::GzDecoder::new(f))) {
+            return Some(hz);
         }
     }
     let release = fs::read_to_string("/proc/sys/kernel/osrelease").ok()?;
-    parse_config_hz(&fs::read_to_string(format!("/boot/config-{}", release.trim())).ok()?)
+    let f = fs::File::open(format!("/boot/config-{}", release.trim())).ok()?;
+    parse_config_hz(BufReader::new(f))
 }
 
 fn measure_hz() -> Option<u32> {
@@ -67,9 +70,13 @@ mod tests {
     #[test]
     fn parses_config_hz() {
         assert_eq!(
-            parse_config_hz("# x\nCONFIG_HZ_250=y\nCONFIG_HZ=250\n"),
+            parse_config_hz("# x\nCONFIG_HZ_250=y\nCONFIG_HZ=250\n".as_bytes()),
             Some(250)
         );
-        assert_eq!(parse_config_hz("CONFIG_HZ_1000=y\n"), None);
+        assert_eq!(parse_config_hz("CONFIG_HZ_1000=y\n".as_bytes()), None);
+        assert_eq!(
+            parse_config_hz("CONFIG_HZ=x\nCONFIG_HZ=100\n".as_bytes()),
+            None
+        );
     }
 }
