@@ -70,6 +70,7 @@ pub struct Metrics {
     pub reclaim_mechanism: Family<MechanismLabels, Gauge>,
     program_run_ns: Family<ProgramLabels, Gauge>,
     program_runs: Family<ProgramLabels, Gauge>,
+    program_recursion_misses: Family<ProgramLabels, Gauge>,
     scans: AtomicU64,
 }
 
@@ -104,6 +105,7 @@ impl Metrics {
             reclaim_mechanism: Family::default(),
             program_run_ns: Family::default(),
             program_runs: Family::default(),
+            program_recursion_misses: Family::default(),
             scans: AtomicU64::new(0),
         };
         registry.register(
@@ -183,6 +185,11 @@ impl Metrics {
             "Cumulative runs of each BPF program (counts only while kernel.bpf_stats_enabled=1)",
             m.program_runs.clone(),
         );
+        registry.register(
+            "bpf_program_recursion_misses",
+            "Cumulative runs of each BPF program the kernel skipped because it was already running on that CPU; for the state tracker, transitions whose socket then shows a lower-bound age",
+            m.program_recursion_misses.clone(),
+        );
         Metrics { registry, ..m }
     }
 
@@ -247,6 +254,11 @@ impl Metrics {
                 .get_or_create(&l)
                 .set(s.run_time_ns as i64);
             self.program_runs.get_or_create(&l).set(s.run_count as i64);
+            if let Some(n) = s.recursion_misses {
+                self.program_recursion_misses
+                    .get_or_create(&l)
+                    .set(n as i64);
+            }
         }
     }
 

@@ -946,6 +946,12 @@ storm_growth_windows = 0"#,
         let bytes = agent.metric(&series).unwrap_or(0.0);
         assert!(bytes >= at_least as f64, "{series} = {bytes}");
     }
+    // So are transitions the kernel skipped (a tracker run nested in another on one CPU).
+    let misses = r#"connreap_bpf_program_recursion_misses{program="connreap_set_state"}"#;
+    assert!(
+        agent.metric(misses).is_some_and(|n| n >= 0.0),
+        "{misses} missing from /metrics"
+    );
     agent.assert_healthy();
 }
 

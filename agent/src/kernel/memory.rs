@@ -1,8 +1,8 @@
 //! Kernel memory held by the pinned maps, as the kernel accounts it (`memlock:` in
-//! `/proc/self/fdinfo/<fd>`), for `connreap_bpf_map_memory_bytes`.
+//! `/proc/self/fdinfo/<fd>`), for `connreap_bpf_map_memory_bytes`; and other fdinfo fields.
 use std::{
     fs,
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
     path::Path,
 };
 
@@ -35,19 +35,22 @@ impl MapMemory {
     pub(crate) fn read(&self) -> Vec<(&'static str, u64)> {
         self.maps
             .iter()
-            .filter_map(|(pin, map)| {
-                let fd = map.fd().as_fd().as_raw_fd();
-                let info = fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
-                Some((*pin, parse_memlock(&info)?))
-            })
+            .filter_map(|(pin, map)| Some((*pin, fdinfo_u64(map.fd().as_fd(), "memlock")?)))
             .collect()
     }
 }
 
-fn parse_memlock(fdinfo: &str) -> Option<u64> {
+/// A numeric field of the kernel's `/proc/self/fdinfo` entry for a BPF map or program fd
+/// (`memlock`, `recursion_misses`, ...).
+pub(crate) fn fdinfo_u64(fd: BorrowedFd<'_>, key: &str) -> Option<u64> {
+    let info = fs::read_to_string(format!("/proc/self/fdinfo/{}", fd.as_raw_fd())).ok()?;
+    parse_field(&info, key)
+}
+
+fn parse_field(fdinfo: &str, key: &str) -> Option<u64> {
     fdinfo
         .lines()
-        .find_map(|l| l.strip_prefix("memlock:"))
+        .find_map(|l| l.strip_prefix(key)?.strip_prefix(':'))
         .and_then(|v| v.trim().parse().ok())
 }
 
@@ -60,8 +63,12 @@ mod tests {
         let info = "pos:\t0\nflags:\t02000002\nmnt_id:\t15\nino:\t1057\nmap_type:\t1\n\
                     key_size:\t8\nvalue_size:\t48\nmax_entries:\t262144\nmap_flags:\t0x0\n\
                     map_extra:\t0x0\nmemlock:\t31458464\nmap_id:\t107\nfrozen:\t0\n";
-        assert_eq!(parse_memlock(info), Some(31_458_464));
-        assert_eq!(parse_memlock("pos:\t0\n"), None);
-        assert_eq!(parse_memlock("memlock:\tlots\n"), None);
+        assert_eq!(parse_field(info, "memlock"), Some(31_458_464));
+        assert_eq!(parse_field("pos:\t0\n", "memlock"), None);
+        assert_eq!(parse_field("memlock:\tlots\n", "memlock"), None);
+        let prog = "prog_type:\t26\nrun_time_ns:\t0\nrun_cnt:\t0\nrecursion_misses:\t1650\n";
+        assert_eq!(parse_field(prog, "recursion_misses"), Some(1650));
+        assert_eq!(parse_field(prog, "run_cnt"), Some(0));
+        assert_eq!(parse_field(prog, "run"), None);
     }
 }

@@ -22,6 +22,7 @@ use std::{
     collections::HashMap,
     fs,
     io::Read as _,
+    os::fd::AsFd as _,
     path::{Path, PathBuf},
     time::{Duration, Instant},
 };
@@ -101,6 +102,10 @@ pub struct ProgramStats {
     pub program: &'static str,
     pub run_time_ns: u64,
     pub run_count: u64,
+    /// Runs the kernel skipped because the program was already running on that CPU (for the
+    /// tracker: a transition in softirq context during another one in process context). The
+    /// kernel counts them whether or not bpf_stats is on; None where it does not say.
+    pub recursion_misses: Option<u64>,
 }
 
 pub struct Kernel {
@@ -436,10 +441,15 @@ impl Kernel {
                 .flatten()
                 .find(|p| p.id() == id)
             {
+                let misses = info
+                    .fd()
+                    .ok()
+                    .and_then(|fd| memory::fdinfo_u64(fd.as_fd(), "recursion_misses"));
                 out.push(ProgramStats {
                     program: names::PROG_STATE,
                     run_time_ns: info.run_time().as_nanos() as u64,
                     run_count: info.run_count(),
+                    recursion_misses: misses,
                 });
             }
         }
@@ -452,6 +462,10 @@ impl Kernel {
                     program: name,
                     run_time_ns: info.run_time().as_nanos() as u64,
                     run_count: info.run_count(),
+                    recursion_misses: it
+                        .fd()
+                        .ok()
+                        .and_then(|fd| memory::fdinfo_u64(fd.as_fd(), "recursion_misses")),
                 });
             }
         }
