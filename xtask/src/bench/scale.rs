@@ -59,6 +59,10 @@ struct ScanSplit {
     /// Both dumps' wall time (the snapshot runs them at the same time).
     dumps: Duration,
     merge: Duration,
+    /// From the `connreap::snapshot` line: opening the pinned programs and maps, and sorting,
+    /// summarising and writing the JSON after the scan.
+    load: Duration,
+    output: Duration,
 }
 
 impl ScanSplit {
@@ -68,15 +72,18 @@ impl ScanSplit {
         self.socket_kernel.max(self.owner_kernel)
     }
 
-    /// The fields of a `connreap::scan` debug line (`key=value` words).
-    fn parse(line: &str) -> Option<ScanSplit> {
+    /// The fields of a snapshot's `connreap::scan` and `connreap::snapshot` debug lines
+    /// (`key=value` words).
+    fn parse(log: &str) -> Option<ScanSplit> {
         let field = |key: &str| -> Option<Duration> {
-            line.split_whitespace()
+            log.split_whitespace()
                 .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
                 .and_then(|v| v.parse().ok())
                 .map(Duration::from_micros)
         };
         Some(ScanSplit {
+            load: field("load_us")?,
+            output: field("output_us")?,
             socket_kernel: field("socket_dump_kernel_us")?,
             socket_total: field("socket_dump_us")?,
             owner_kernel: field("owner_dump_kernel_us")?,
@@ -90,16 +97,14 @@ impl ScanSplit {
         let mut all = Vec::new();
         for _ in 0..runs {
             let out = snapshot_cmd(ns)
-                .env("RUST_LOG", "connreap::scan=debug")
+                .env("RUST_LOG", "connreap::scan=debug,connreap::snapshot=debug")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .output()?;
             let err = String::from_utf8_lossy(&out.stderr);
-            let split = err
-                .lines()
-                .filter(|l| l.contains("connreap::scan"))
-                .find_map(ScanSplit::parse)
-                .with_context(|| format!("no scan timing line in the snapshot's log:\n{err}"))?;
+            let split = ScanSplit::parse(&err).with_context(|| {
+                format!("no scan and snapshot timing lines in the snapshot's log:\n{err}")
+            })?;
             all.push(split);
         }
         let med = |f: fn(&ScanSplit) -> Duration| {
@@ -114,6 +119,8 @@ impl ScanSplit {
             owner_total: med(|s| s.owner_total),
             dumps: med(|s| s.dumps),
             merge: med(|s| s.merge),
+            load: med(|s| s.load),
+            output: med(|s| s.output),
         })
     }
 }
@@ -285,18 +292,22 @@ fn snapshot_rows(
     }
     let kernel_vs_ssp = split.kernel().as_secs_f64() / ssp.wall.as_secs_f64().max(1e-9);
     let split_line = format!(
-        "Inside the snapshot (its `RUST_LOG=connreap::scan=debug` line, median of {runs} more runs): \
-         the two dumps run at the same time, on two threads, and took {} together: the socket dump \
-         {} ({} of it in the kernel: iter/tcp producing the records), the owner dump {} ({} in the \
-         kernel: iter/task_file); then the merge {}; the rest of the wall time is process start, \
-         opening the pinned programs and writing JSON. The kernel's part alone (the longer of the \
-         two iterators), {}, is {kernel_vs_ssp:.3}× `ss -tanp`.",
+        "Inside the snapshot (its `RUST_LOG=connreap::scan=debug,connreap::snapshot=debug` lines, \
+         median of {runs} more runs): opening the pinned programs and maps took {}; the two dumps \
+         run at the same time, on two threads, and took {} together: the socket dump {} ({} of it \
+         in the kernel: iter/tcp producing the records), the owner dump {} ({} in the kernel: \
+         iter/task_file); then the merge {}; then sorting, the summary and writing the JSON (its \
+         socket rows rendered on all cores) {}; the rest of the wall time is process start and \
+         exit. The kernel's part alone (the longer of the two iterators), {}, is \
+         {kernel_vs_ssp:.3}× `ss -tanp`.",
+        ms(split.load),
         ms(split.dumps),
         ms(split.socket_total),
         ms(split.socket_kernel),
         ms(split.owner_total),
         ms(split.owner_kernel),
         ms(split.merge),
+        ms(split.output),
         ms(split.kernel()),
     );
     diagnosis.push(split_line.clone());
@@ -378,8 +389,12 @@ mod tests {
     fn parses_the_scan_debug_line() {
         let line = "2026-12-03T09:54:47.746651Z DEBUG connreap::scan: scan sockets=10001 \
                     owner_records=10001 socket_dump_kernel_us=12440 socket_dump_us=14191 \
-                    owner_dump_kernel_us=5782 owner_dump_us=6177 dumps_us=14300 merge_us=1902";
+                    owner_dump_kernel_us=5782 owner_dump_us=6177 dumps_us=14300 merge_us=1902\n\
+                    2026-12-03T09:54:47.756651Z DEBUG connreap::snapshot: snapshot load_us=1342 \
+                    scan_us=14394 output_us=7832";
         let s = ScanSplit::parse(line).unwrap();
+        assert_eq!(s.load, Duration::from_micros(1342));
+        assert_eq!(s.output, Duration::from_micros(7832));
         assert_eq!(s.socket_kernel, Duration::from_micros(12440));
         assert_eq!(s.socket_total, Duration::from_micros(14191));
         assert_eq!(s.owner_kernel, Duration::from_micros(5782));
@@ -388,5 +403,6 @@ mod tests {
         assert_eq!(s.dumps, Duration::from_micros(14300));
         assert_eq!(s.kernel(), Duration::from_micros(12440));
         assert_eq!(ScanSplit::parse("scan sockets=3 merge_us=1"), None);
+        assert_eq!(ScanSplit::parse(line.lines().next().unwrap()), None);
     }
 }
