@@ -31,6 +31,8 @@ pub mod tcp_state {
 
 pub const AF_INET: u16 = 2;
 pub const AF_INET6: u16 = 10;
+/// `enum sock_type`'s SOCK_STREAM (struct socket's `type`).
+pub const SOCK_STREAM: u16 = 1;
 pub const IPPROTO_TCP: u16 = 6;
 
 /// Names of the maps, programs and globals in the object, used by the loader.
@@ -140,6 +142,11 @@ pub struct KernelOffsets {
     pub task_comm: u32,
     /// struct inet_timewait_sock: the real state (FIN_WAIT2 or TIME_WAIT) of a timewait socket
     pub tw_substate: u32,
+    // struct socket and its struct proto_ops: which sockets a file holds, without touching the
+    // struct sock (a cache miss per socket in the owner dump)
+    pub socket_type: u32,
+    pub socket_ops: u32,
+    pub ops_family: u32,
     pub _pad: u32,
 }
 
@@ -174,6 +181,9 @@ impl KernelOffsets {
             task_tgid: 0,
             task_comm: 0,
             tw_substate: 0,
+            socket_type: 0,
+            socket_ops: 0,
+            ops_family: 0,
             _pad: 0,
         }
     }
@@ -388,4 +398,4 @@ const _: () = assert!(STATE_WAYS.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 48) * STATE_WAYS);
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
-const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 28 * 4);
+const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 31 * 4);

@@ -17,7 +17,7 @@ use aya_ebpf::{
 };
 use connreap_ebpf::{
     counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
-    StateSet, AF_INET, AF_INET6, EVENTS_RING_BYTES, IPPROTO_TCP, STATE_MAP_ENTRIES, STATE_SETS,
+    StateSet, AF_INET, AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM, STATE_MAP_ENTRIES, STATE_SETS,
 };
 
 #[no_mangle]
@@ -300,16 +300,24 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
     if socket.is_null() {
         return Ok(());
     }
-    // Direct BTF-checked loads, as in the tracker: socket->sk, then the sock's fields, then
-    // the task's (ctx->task is a trusted task_struct pointer).
-    let sk: u64 = sk_field(socket, off!(socket_sk));
-    if sk == 0 {
+    // Direct BTF-checked loads, as in the tracker: a TCP socket is a stream socket of the inet
+    // families, read from struct socket (the line that holds socket->sk) and its proto_ops
+    // (static, cached), not from the struct sock, which would cost a cache miss per socket.
+    // MPTCP and SCTP stream sockets pass too; they match no row of the TCP dump.
+    let kind: u16 = sk_field(socket, off!(socket_type));
+    if kind != SOCK_STREAM {
         return Ok(());
     }
-    let skp = sk as *const u8;
-    let protocol: u16 = sk_field(skp, off!(sk_protocol));
-    let family: u16 = sk_field(skp, off!(skc_family));
-    if protocol != IPPROTO_TCP || (family != AF_INET && family != AF_INET6) {
+    let ops: *const u8 = sk_field(socket, off!(socket_ops));
+    if ops.is_null() {
+        return Ok(());
+    }
+    let family: i32 = sk_field(ops, off!(ops_family));
+    if family != AF_INET as i32 && family != AF_INET6 as i32 {
+        return Ok(());
+    }
+    let sk: u64 = sk_field(socket, off!(socket_sk));
+    if sk == 0 {
         return Ok(());
     }
     let seq = unsafe { *(meta as *const u64) };

@@ -152,6 +152,9 @@ impl Resolver {
             task_tgid: r.offset("task_struct", "tgid")?,
             task_comm: r.offset("task_struct", "comm")?,
             tw_substate: r.offset("inet_timewait_sock", "tw_substate")?,
+            socket_type: r.offset("socket", "type")?,
+            socket_ops: r.offset("socket", "ops")?,
+            ops_family: r.offset("proto_ops", "family")?,
             _pad: 0,
         })
     }
