@@ -21,41 +21,41 @@ use super::{classify, opt_ms, Direction, Endpoint, HostInfo, Owner, Socket, TcpS
 /// TIME_WAIT sockets.
 #[derive(Debug, Default)]
 pub struct FirstSeen {
-    /// (skaddr, inode, first seen ns), sorted.
-    seen: Vec<(u64, u64, u64)>,
+    /// Sockets and when they were first seen (ns), sorted.
+    seen: Vec<Unaged>,
 }
 
-/// A row of this scan whose age is a first-seen bound, to be resolved at the end of the scan.
+/// A socket whose age is a first-seen bound: during a scan `val` indexes
+/// [`TableBuilder::unaged_rows`]; once resolved (and in [`FirstSeen`]) it is the first-seen
+/// time. One allocation serves as both, so a scan of 100k such sockets holds no third list.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Unaged {
     skaddr: u64,
     inode: u64,
-    /// Index into [`TableBuilder::unaged_rows`].
-    n: u32,
+    val: u64,
 }
 
 impl FirstSeen {
-    /// Resolve the first-seen bounds of this scan's unaged rows (`keys[i].n` indexes `rows`,
+    /// Resolve the first-seen bounds of this scan's unaged rows (`keys[i].val` indexes `rows`,
     /// each a table row and the kernel's time when it was read), raising each row's age to
     /// its bound; remember them for the next scan and forget sockets not seen in this one.
     fn resolve(&mut self, mut keys: Vec<Unaged>, rows: &[(u32, u64)], table: &mut [Socket]) {
         keys.sort_unstable();
         let mut first = vec![0u64; rows.len()];
-        let mut next = Vec::with_capacity(keys.len());
         let mut j = 0;
-        for k in &keys {
+        for k in &mut keys {
             let key = (k.skaddr, k.inode);
-            while j < self.seen.len() && (self.seen[j].0, self.seen[j].1) < key {
+            while j < self.seen.len() && (self.seen[j].skaddr, self.seen[j].inode) < key {
                 j += 1;
             }
-            let t = match self.seen.get(j) {
-                Some(&(a, b, t)) if (a, b) == key => t,
-                _ => rows[k.n as usize].1,
+            let n = k.val as usize;
+            k.val = match self.seen.get(j) {
+                Some(s) if (s.skaddr, s.inode) == key => s.val,
+                _ => rows[n].1,
             };
-            first[k.n as usize] = t;
-            next.push((k.skaddr, k.inode, t));
+            first[n] = k.val;
         }
-        self.seen = next;
+        self.seen = keys;
         for (&(row, now), t) in rows.iter().zip(first) {
             if let Some(s) = table.get_mut(row as usize) {
                 s.age = s.age.max(Duration::from_nanos(now.saturating_sub(t)));
@@ -142,7 +142,7 @@ impl<'a> TableBuilder<'a> {
             self.unaged.push(Unaged {
                 skaddr: s.skaddr,
                 inode: s.inode,
-                n: self.unaged_rows.len() as u32,
+                val: self.unaged_rows.len() as u64,
             });
             self.unaged_rows.push((self.table.len() as u32, s.now_ns));
             // In CLOSE_WAIT the peer's FIN (an ACK) arrived when the state was entered, and
