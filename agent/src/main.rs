@@ -90,7 +90,7 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
     if json {
         let counters = scanner.kernel.counters()?;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // Streamed, compact: no intermediate JSON tree for 100k sockets.
+        // Compact, streamed in rounds: no intermediate JSON tree for 100k sockets.
         let mut w = std::io::BufWriter::new(std::io::stdout().lock());
         snapshot::write_snapshot_json(&mut w, &selected, &groups, &counters, threads)?;
         std::io::Write::write_all(&mut w, b"\n")?;

@@ -224,7 +224,8 @@ pub fn to_json_writer<W: std::io::Write, T: Serialize>(w: W, v: &T) -> serde_jso
 
 /// The `snapshot --json` document, `{"sockets":[..],"summary":[..],"counters":..}`, compact:
 /// the same text as [`to_json_writer`] on a struct of those three fields. The socket rows, most
-/// of the text, are rendered in `threads` slices at once (a 10k-socket table is 3.4 MB).
+/// of the text (a 10k-socket table is 3.4 MB), are rendered on `threads` threads at once, in
+/// rounds of a few thousand rows per thread, so the memory held stays small at any size.
 pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     w: &mut W,
     sockets: &[&Socket],
@@ -232,10 +233,10 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     counters: &C,
     threads: usize,
 ) -> serde_json::Result<()> {
-    // Below this, a thread costs more than the rows it would render.
-    const MIN_ROWS_PER_THREAD: usize = 1024;
-    let threads = threads.clamp(1, sockets.len() / MIN_ROWS_PER_THREAD + 1);
-    let per = sockets.len().div_ceil(threads).max(1);
+    // Rows per thread and round; below MIN_ROWS a thread costs more than the rows it renders.
+    const ROWS: usize = 4096;
+    const MIN_ROWS: usize = 1024;
+    let threads = threads.max(1);
     let render = |rows: &[&Socket]| -> serde_json::Result<Vec<u8>> {
         let mut out = Vec::with_capacity(rows.len() * 360);
         for (i, s) in rows.iter().enumerate() {
@@ -246,27 +247,32 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
         }
         Ok(out)
     };
-    let parts: Vec<Vec<u8>> = if threads == 1 {
-        vec![render(sockets)?]
-    } else {
-        std::thread::scope(|scope| {
-            let handles: Vec<_> = sockets
-                .chunks(per)
-                .map(|rows| scope.spawn(move || render(rows)))
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
-                .collect::<serde_json::Result<_>>()
-        })?
-    };
     let io = serde_json::Error::io;
     w.write_all(b"{\"sockets\":[").map_err(io)?;
-    for (i, part) in parts.iter().filter(|p| !p.is_empty()).enumerate() {
-        if i > 0 {
-            w.write_all(b",").map_err(io)?;
+    let mut first = true;
+    for round in sockets.chunks(ROWS * threads) {
+        let n = threads.clamp(1, round.len() / MIN_ROWS + 1);
+        let parts: Vec<Vec<u8>> = if n == 1 {
+            vec![render(round)?]
+        } else {
+            std::thread::scope(|scope| {
+                let handles: Vec<_> = round
+                    .chunks(round.len().div_ceil(n))
+                    .map(|rows| scope.spawn(move || render(rows)))
+                    .collect();
+                handles
+                    .into_iter()
+                    .map(|h| h.join().unwrap_or_else(|p| std::panic::resume_unwind(p)))
+                    .collect::<serde_json::Result<_>>()
+            })?
+        };
+        for part in parts.iter().filter(|p| !p.is_empty()) {
+            if !first {
+                w.write_all(b",").map_err(io)?;
+            }
+            w.write_all(part).map_err(io)?;
+            first = false;
         }
-        w.write_all(part).map_err(io)?;
     }
     w.write_all(b"],\"summary\":").map_err(io)?;
     to_json_writer(&mut *w, &summary)?;
@@ -511,14 +517,14 @@ mod tests {
             summary: &'a [Group],
             counters: (u32, &'a str),
         }
-        let all: Vec<Socket> = (0..5000u64)
+        let all: Vec<Socket> = (0..9000u64)
             .map(|i| {
                 let mut s = sock(i as u32 % 7, "java", TcpState::CloseWait, 80, i, i % 50);
                 s.age = Duration::from_millis(i * 37);
                 s
             })
             .collect();
-        for n in [0, 1, 2, 1023, 1024, 2049, 5000] {
+        for n in [0, 1, 2, 1023, 1024, 2049, 5000, 9000] {
             let refs: Vec<&Socket> = all[..n].iter().collect();
             let summary = summarize(&refs, Duration::from_secs(30));
             let counters = (7, "x");
