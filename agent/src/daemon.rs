@@ -1,6 +1,6 @@
 //! `connreap run`: the scan loop, quota pollers, transition-event reader, webhooks and the API.
 use std::{
-    collections::BTreeMap,
+    collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -84,7 +84,10 @@ async fn read_events(
         }
         let ring = fd.get_mut();
         let mut n = 0u64;
-        let mut opens = Vec::new();
+        // Counted per (pid, comm, port) as raw bytes first: a churning client makes hundreds
+        // of thousands of opens a second, and a String and a tree insert for each would cost
+        // more than the rest of the daemon.
+        let mut opens: HashMap<(u32, [u8; 16], u16), u64> = HashMap::new();
         while let Some(item) = ring.next() {
             let events = match crate::kernel::events::decode(&item) {
                 Ok(events) => events,
@@ -96,19 +99,20 @@ async fn read_events(
             n += events.len() as u64;
             for ev in events {
                 if ev.oldstate == tcp_state::CLOSE && ev.newstate == tcp_state::SYN_SENT {
-                    let end = ev.comm.iter().position(|b| *b == 0).unwrap_or(16);
-                    opens.push(ConnKey {
-                        pid: ev.pid,
-                        comm: String::from_utf8_lossy(&ev.comm[..end]).into_owned(),
-                        port: ev.dport,
-                    });
+                    *opens.entry((ev.pid, ev.comm, ev.dport)).or_default() += 1;
                 }
             }
         }
         metrics.events_read.inc_by(n);
         let mut st = lock(&storm);
-        for k in opens {
-            st.record_connect(k);
+        for ((pid, comm, port), count) in opens {
+            let end = comm.iter().position(|b| *b == 0).unwrap_or(comm.len());
+            let key = ConnKey {
+                pid,
+                comm: String::from_utf8_lossy(&comm[..end]).into_owned(),
+                port,
+            };
+            st.record_connects(key, count);
         }
     }
 }

@@ -25,8 +25,14 @@ pub struct StormTracker {
 
 impl StormTracker {
     /// One active open (CLOSE -> SYN_SENT, in the connecting process's context).
+    #[cfg(test)]
     pub fn record_connect(&mut self, key: ConnKey) {
-        *self.current.entry(key).or_default() += 1;
+        self.record_connects(key, 1);
+    }
+
+    /// `n` active opens of one key.
+    pub fn record_connects(&mut self, key: ConnKey, n: u64) {
+        *self.current.entry(key).or_default() += n;
     }
 
     /// End the current window of length `window`; update rates and firing state.
