@@ -84,9 +84,9 @@ async fn read_events(
         }
         let ring = fd.get_mut();
         let mut n = 0u64;
-        // Counted per (pid, comm, port) as raw bytes first: a churning client makes hundreds
-        // of thousands of opens a second, and a String and a tree insert for each would cost
-        // more than the rest of the daemon.
+        // Counted per (pid, comm, port) as raw bytes first, then one storm key per distinct
+        // triple: a churning client makes tens of thousands of opens a second, each of which
+        // would otherwise cost a String and a tree insert.
         let mut opens: HashMap<(u32, [u8; 16], u16), u64> = HashMap::new();
         while let Some(item) = ring.next() {
             let events = match crate::kernel::events::decode(&item) {
