@@ -441,15 +441,11 @@ impl Kernel {
                 .flatten()
                 .find(|p| p.id() == id)
             {
-                let misses = info
-                    .fd()
-                    .ok()
-                    .and_then(|fd| memory::fdinfo_u64(fd.as_fd(), "recursion_misses"));
                 out.push(ProgramStats {
                     program: names::PROG_STATE,
                     run_time_ns: info.run_time().as_nanos() as u64,
                     run_count: info.run_count(),
-                    recursion_misses: misses,
+                    recursion_misses: info.fd().ok().and_then(|fd| recursion_misses(&fd)),
                 });
             }
         }
@@ -462,15 +458,17 @@ impl Kernel {
                     program: name,
                     run_time_ns: info.run_time().as_nanos() as u64,
                     run_count: info.run_count(),
-                    recursion_misses: it
-                        .fd()
-                        .ok()
-                        .and_then(|fd| memory::fdinfo_u64(fd.as_fd(), "recursion_misses")),
+                    recursion_misses: it.fd().ok().and_then(recursion_misses),
                 });
             }
         }
         out
     }
+}
+
+/// A program's runs the kernel skipped as nested (its fdinfo; aya's ProgramInfo lacks it).
+fn recursion_misses(fd: &aya::programs::ProgramFd) -> Option<u64> {
+    memory::fdinfo_u64(fd.as_fd(), "recursion_misses")
 }
 
 /// Fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
