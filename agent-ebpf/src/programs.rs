@@ -9,7 +9,7 @@ use core::ffi::c_void;
 use aya_ebpf::{
     bindings::BPF_F_NO_PREALLOC,
     helpers::{
-        bpf_jiffies64, bpf_ktime_get_ns, bpf_probe_read_kernel,
+        bpf_jiffies64, bpf_probe_read_kernel,
         generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
     },
     macros::map,
@@ -179,6 +179,29 @@ fn full_sock(sk_number: u64, tp: *const u8, state: u8) -> FullSock {
     out
 }
 
+/// A timewait socket's real state (orphaned FIN_WAIT2 sockets live on as timewait sockets too)
+/// and, where the kernel keeps it, when it became one: (state, tw_entry_ms, flags).
+#[inline(always)]
+fn timewait(sk: u64) -> (u8, u32, u8) {
+    // SAFETY: sk is the iterator's socket; the helper returns NULL unless it is a TCP timewait
+    // socket (or one of IPv6 built as a module), and a trusted pointer otherwise.
+    let tw = unsafe { gen::bpf_skc_to_tcp_timewait_sock(sk as *mut c_void) as *const u8 };
+    if tw.is_null() {
+        return (read(sk + off!(tw_substate)), 0, 0);
+    }
+    // Direct loads on the socket's own line (the offsets are verifier constants: without
+    // tw_entry_stamp in this kernel the branch is dropped at load).
+    let state: u8 = sk_field(tw, off!(tw_substate));
+    if off!(tw_entry_stamp) == 0 {
+        return (state, 0, 0);
+    }
+    (
+        state,
+        sk_field(tw, off!(tw_entry_stamp)),
+        sock_flags::TW_ENTRY,
+    )
+}
+
 fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     if off!(valid) != KernelOffsets::MAGIC as u64 {
         return Err(-1);
@@ -199,11 +222,10 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     let skc = sk as *const u8;
     let family: u16 = sk_field(skc, off!(skc_family));
     let mini: u8 = sk_field(skc, off!(skc_state));
-    let state = if mini == tcp_state::TIME_WAIT {
-        // Orphaned FIN_WAIT2 sockets live on as timewait sockets too; report the real state.
-        read(sk + off!(tw_substate))
+    let (state, tw_entry_ms, tw_flags) = if mini == tcp_state::TIME_WAIT {
+        timewait(sk)
     } else {
-        mini
+        (mini, 0, 0)
     };
     let (saddr, daddr) = if family == AF_INET {
         let s: u32 = sk_field(skc, off!(skc_rcv_saddr));
@@ -226,7 +248,10 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         core::ptr::null()
     };
     let full = if tp.is_null() {
-        FullSock::default()
+        FullSock {
+            flags: tw_flags,
+            ..FullSock::default()
+        }
     } else {
         // The socket's address as a number for the state table (see state.rs): the context's
         // pointer field read through a probe read is a plain value to the verifier.
@@ -237,7 +262,6 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         inode: full.inode,
         cookie: sk_field(skc, off!(skc_cookie)),
         state_age_jiffies: full.state_age_jiffies,
-        now_ns: unsafe { bpf_ktime_get_ns() },
         saddr: bytes16(saddr),
         daddr: bytes16(daddr),
         family,
@@ -251,6 +275,8 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         last_rcv_jiffies: full.idle[0],
         last_snd_jiffies: full.idle[1],
         last_ack_jiffies: full.idle[2],
+        tw_entry_ms,
+        _pad: 0,
     };
 
     // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.

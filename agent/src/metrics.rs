@@ -195,8 +195,8 @@ impl Metrics {
 
     pub fn observe_table(&self, table: &[Socket]) {
         // Count first (no label allocation per socket), then publish one gauge per group.
-        let mut counts: std::collections::HashMap<(crate::table::TcpState, &str, u16), i64> =
-            std::collections::HashMap::new();
+        let mut counts: rustc_hash::FxHashMap<(crate::table::TcpState, &str, u16), i64> =
+            rustc_hash::FxHashMap::default();
         for s in table {
             *counts
                 .entry((s.state, s.comm(), s.service_port))

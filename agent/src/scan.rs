@@ -53,7 +53,12 @@ impl Scanner {
     fn scan_with(&mut self, parallel: bool) -> Result<Vec<Socket>, KernelError> {
         // Socket records become table rows as they are read.
         let start = Instant::now();
-        let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len);
+        let mut b = TableBuilder::new(
+            &self.host,
+            &mut self.first_seen,
+            self.last_len,
+            monotonic_ns(),
+        );
         let mut holders = Holders::default();
         let (sockets, owners) = if parallel {
             self.kernel
@@ -63,6 +68,7 @@ impl Scanner {
             (sockets, self.kernel.for_each_owner(|o| holders.push(&o))?)
         };
         let dumps_done = Instant::now();
+        let end_ns = monotonic_ns();
         // Forget units of pids that hold no socket any more (pids get reused).
         let live: HashSet<u32> = holders.pids().collect();
         self.units.retain(|pid, _| live.contains(pid));
@@ -77,7 +83,7 @@ impl Scanner {
                 })
                 .clone()
         };
-        let table = b.finish(holders, &mut unit_of);
+        let table = b.finish(holders, end_ns, &mut unit_of);
         self.last_len = table.len();
         // Where a scan's time goes, for `RUST_LOG=connreap::scan=debug` and the benchmarks:
         // each dump's time in the kernel (the iterator producing records) and in total (plus
@@ -97,4 +103,15 @@ impl Scanner {
         );
         Ok(table)
     }
+}
+
+/// CLOCK_MONOTONIC in ns (what first-seen bounds are kept in).
+fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -3,7 +3,6 @@
 mod build;
 
 use std::{
-    collections::HashSet,
     fmt,
     net::{IpAddr, SocketAddr},
     str::FromStr,
@@ -354,17 +353,44 @@ pub fn parse_port_range(text: &str) -> Option<std::ops::RangeInclusive<u16>> {
     }
 }
 
+/// A set of ports as a bitmap (8 KiB): looked up twice per row of a scan, where hashing cost
+/// more than the rest of the classification.
+#[derive(Clone)]
+pub struct PortSet(Box<[u64; 1024]>);
+
+impl Default for PortSet {
+    fn default() -> Self {
+        PortSet(Box::new([0; 1024]))
+    }
+}
+
+impl fmt::Debug for PortSet {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set()
+            .entries((0..=u16::MAX).filter(|&p| self.contains(p)))
+            .finish()
+    }
+}
+
+impl PortSet {
+    pub fn insert(&mut self, port: u16) {
+        self.0[usize::from(port >> 6)] |= 1 << (port & 63);
+    }
+    pub fn contains(&self, port: u16) -> bool {
+        self.0[usize::from(port >> 6)] & (1 << (port & 63)) != 0
+    }
+}
+
 /// Service port and direction for a non-listening socket.
 pub fn classify(
     local: u16,
     peer: u16,
-    listening: &HashSet<u16>,
+    listening: &PortSet,
     ephemeral: &std::ops::RangeInclusive<u16>,
 ) -> (Direction, u16) {
-    if listening.contains(&local) {
+    if listening.contains(local) {
         (Direction::Inbound, local)
-    } else if listening.contains(&peer) || ephemeral.contains(&local) && !ephemeral.contains(&peer)
-    {
+    } else if listening.contains(peer) || ephemeral.contains(&local) && !ephemeral.contains(&peer) {
         (Direction::Outbound, peer)
     } else if (ephemeral.contains(&peer) && !ephemeral.contains(&local)) || local < peer {
         (Direction::Inbound, local)
@@ -438,7 +464,7 @@ mod tests {
 
     #[test]
     fn classify_guesses_service_side_without_listener() {
-        let none = HashSet::new();
+        let none = PortSet::default();
         let eph = HostInfo::default().ephemeral;
         assert_eq!(classify(50000, 80, &none, &eph), (Direction::Outbound, 80));
         assert_eq!(classify(22, 50000, &none, &eph), (Direction::Inbound, 22));
@@ -449,5 +475,23 @@ mod tests {
             (Direction::Outbound, 30000)
         );
         assert_eq!(parse_port_range("garbage"), None);
+        let mut listening = PortSet::default();
+        listening.insert(50000);
+        assert_eq!(
+            classify(50000, 80, &listening, &eph),
+            (Direction::Inbound, 50000)
+        );
+    }
+
+    #[test]
+    fn port_set_holds_every_port() {
+        let mut set = PortSet::default();
+        for p in [0, 1, 63, 64, 8080, u16::MAX] {
+            assert!(!set.contains(p));
+            set.insert(p);
+            assert!(set.contains(p));
+        }
+        assert!(!set.contains(65));
+        assert_eq!(format!("{set:?}"), "{0, 1, 63, 64, 8080, 65535}");
     }
 }

@@ -600,3 +600,62 @@ fn thousands_of_sockets_get_exact_ages_updated_in_place_over_two_rounds() {
         );
     }
 }
+
+/// TIME_WAIT sockets are aged from the kernel's own stamp (`tw_entry_stamp`, Linux 6.13+): a
+/// one-shot snapshot, which has never seen them before, still reports how long each has been
+/// in TIME_WAIT, exactly.
+#[test]
+fn time_wait_ages_come_from_the_kernel() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let btf = std::fs::read("/sys/kernel/btf/vmlinux").unwrap_or_default();
+    if !btf.windows(14).any(|w| w == b"tw_entry_stamp") {
+        eprintln!("skipped: this kernel's timewait sockets have no tw_entry_stamp (Linux < 6.13)");
+        return;
+    }
+    let ns = NetNs::new("tw");
+    // A server that closes each connection at once and a client that connects and closes,
+    // 20 times a second for half a second: both ends close, one of them ends in TIME_WAIT.
+    let (_server, _) = peer(
+        &ns,
+        &[
+            "listen",
+            "--addr",
+            "127.0.0.1:7600",
+            "--close-after-ms",
+            "0",
+        ],
+    );
+    let (_client, _) = peer(
+        &ns,
+        &[
+            "storm",
+            "--addr",
+            "127.0.0.1:7600",
+            "--start-rate",
+            "20",
+            "--max-rate",
+            "20",
+            "--duration-ms",
+            "500",
+        ],
+    );
+    thread::sleep(Duration::from_millis(500) + WAIT);
+    let snap = snapshot(&ns, &["--port", "7600", "--state", "TIME_WAIT"]);
+    let tw = sockets(&snap);
+    assert!(
+        tw.len() >= 5,
+        "expected TIME_WAIT sockets on port 7600:\n{snap:#}"
+    );
+    // Every one closed about WAIT ago (half a second of slack for a loaded machine; without
+    // the kernel's stamp a first snapshot would say "at least 0 s") and lives 60 s, plus the
+    // timer wheel's slack.
+    let min_age = secs(WAIT) - 0.5;
+    for s in &tw {
+        assert!(
+            s.age_exact && s.age_secs >= min_age && s.age_secs < 70.0,
+            "age of {s:?} should be exact and at least {min_age:.3} s:\n{snap:#}"
+        );
+    }
+}

@@ -152,10 +152,13 @@ impl Resolver {
             task_tgid: r.offset("task_struct", "tgid")?,
             task_comm: r.offset("task_struct", "comm")?,
             tw_substate: r.offset("inet_timewait_sock", "tw_substate")?,
+            // Linux 6.13+; older kernels age timewait sockets from when connreap first saw them.
+            tw_entry_stamp: r
+                .offset("inet_timewait_sock", "tw_entry_stamp")
+                .unwrap_or(0),
             socket_type: r.offset("socket", "type")?,
             socket_ops: r.offset("socket", "ops")?,
             ops_family: r.offset("proto_ops", "family")?,
-            _pad: 0,
         })
     }
 }

@@ -1,15 +1,17 @@
 //! Building the table from the kernel's dumps: socket records streamed in as they are read,
 //! then owners. Pure functions only; no kernel access.
 use std::{
-    collections::{HashMap, HashSet},
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
     sync::Arc,
     time::Duration,
 };
 
 use connreap_ebpf::{sock_flags, OwnerRecord, SockRecord, AF_INET};
+use rustc_hash::FxHashMap;
 
-use super::{classify, opt_ms, Direction, Endpoint, HostInfo, Owner, Socket, TcpState, NO_MS};
+use super::{
+    classify, opt_ms, Direction, Endpoint, HostInfo, Owner, PortSet, Socket, TcpState, NO_MS,
+};
 
 /// Remembers when the agent first saw each socket whose age the tracker does not know, for a
 /// lower bound on it. Sockets the tracker knows are not kept: their age never needs it (the
@@ -37,9 +39,11 @@ struct Unaged {
 
 impl FirstSeen {
     /// Resolve the first-seen bounds of this scan's unaged rows (`keys[i].val` indexes `rows`,
-    /// each a table row and the kernel's time when it was read), raising each row's age to
-    /// its bound; remember them for the next scan and forget sockets not seen in this one.
-    fn resolve(&mut self, mut keys: Vec<Unaged>, rows: &[(u32, u64)], table: &mut [Socket]) {
+    /// the table rows), raising each row's age to its bound; remember them for the next scan
+    /// and forget sockets not seen in this one. `clock` is when the dump began and ended
+    /// (CLOCK_MONOTONIC ns): a socket first seen in this scan is stamped with its end and aged
+    /// from a later scan's beginning, so the bound never exceeds the socket's real age.
+    fn resolve(&mut self, mut keys: Vec<Unaged>, rows: &[u32], clock: Clock, table: &mut [Socket]) {
         keys.sort_unstable();
         let mut first = vec![0u64; rows.len()];
         let mut j = 0;
@@ -51,17 +55,26 @@ impl FirstSeen {
             let n = k.val as usize;
             k.val = match self.seen.get(j) {
                 Some(s) if (s.skaddr, s.inode) == key => s.val,
-                _ => rows[n].1,
+                _ => clock.end_ns,
             };
             first[n] = k.val;
         }
         self.seen = keys;
-        for (&(row, now), t) in rows.iter().zip(first) {
+        for (&row, t) in rows.iter().zip(first) {
             if let Some(s) = table.get_mut(row as usize) {
-                s.age = s.age.max(Duration::from_nanos(now.saturating_sub(t)));
+                s.age = s
+                    .age
+                    .max(Duration::from_nanos(clock.start_ns.saturating_sub(t)));
             }
         }
     }
+}
+
+/// When a dump began and ended, CLOCK_MONOTONIC ns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Clock {
+    pub start_ns: u64,
+    pub end_ns: u64,
 }
 
 fn addr(family: u16, raw: &[u8; 16], port: u16) -> Endpoint {
@@ -83,7 +96,7 @@ fn comm_str(raw: &[u8; 16]) -> String {
 pub struct Holders {
     /// (skaddr, tgid, fd)
     holders: Vec<(u64, u32, u32)>,
-    comms: HashMap<u32, [u8; 16]>,
+    comms: FxHashMap<u32, [u8; 16]>,
 }
 
 impl Holders {
@@ -101,23 +114,51 @@ impl Holders {
 pub struct TableBuilder<'a> {
     host: &'a HostInfo,
     first_seen: &'a mut FirstSeen,
-    listening: HashSet<u16>,
+    listening: PortSet,
     table: Vec<Socket>,
-    /// Rows whose age is a first-seen bound (see [`FirstSeen`]): keys, and (row, now_ns).
+    /// Rows whose age is a first-seen bound (see [`FirstSeen`]): keys, and their rows.
     unaged: Vec<Unaged>,
-    unaged_rows: Vec<(u32, u64)>,
+    unaged_rows: Vec<u32>,
+    /// When the socket dump began (CLOCK_MONOTONIC ns).
+    start_ns: u64,
 }
 
 impl<'a> TableBuilder<'a> {
-    pub fn new(host: &'a HostInfo, first_seen: &'a mut FirstSeen, capacity: usize) -> Self {
+    /// `start_ns`: when the socket dump begins (CLOCK_MONOTONIC ns, read before it).
+    pub fn new(
+        host: &'a HostInfo,
+        first_seen: &'a mut FirstSeen,
+        capacity: usize,
+        start_ns: u64,
+    ) -> Self {
         TableBuilder {
             host,
             first_seen,
-            listening: HashSet::new(),
+            listening: PortSet::default(),
             table: Vec::with_capacity(capacity),
             unaged: Vec::new(),
             unaged_rows: Vec::new(),
+            start_ns,
         }
+    }
+
+    /// A timewait socket's time in its state from the kernel's stamp (`tw_entry_ms`), if the
+    /// record has one: exact for TIME_WAIT, a lower bound for an orphaned FIN_WAIT2 (it was in
+    /// FIN_WAIT2 before it became a timewait socket).
+    fn timewait_age(&self, s: &SockRecord, state: TcpState) -> Option<(Duration, bool)> {
+        if s.flags & sock_flags::TW_ENTRY == 0 {
+            return None;
+        }
+        // Both are CLOCK_MONOTONIC; the stamp is its low 32 bits in ms. The dump began before
+        // the record was read, so this never exceeds the real age; a stamp "after" it (the
+        // kernel clock ahead by under a dump) is taken as zero.
+        let now_ms = (self.start_ns / 1_000_000) as u32;
+        let ms = now_ms.wrapping_sub(s.tw_entry_ms);
+        let ms = if ms > u32::MAX / 2 { 0 } else { ms };
+        Some((
+            Duration::from_millis(ms.into()),
+            state == TcpState::TimeWait,
+        ))
     }
 
     pub fn push(&mut self, s: &SockRecord) {
@@ -137,6 +178,8 @@ impl<'a> TableBuilder<'a> {
                 Duration::from_nanos(s.state_age_jiffies.saturating_mul(1_000_000_000) / hz),
                 true,
             )
+        } else if let Some(tw) = self.timewait_age(s, state) {
+            tw
         } else {
             // At least as long as the agent has seen it: resolved in `finish`.
             self.unaged.push(Unaged {
@@ -144,7 +187,7 @@ impl<'a> TableBuilder<'a> {
                 inode: s.inode,
                 val: self.unaged_rows.len() as u64,
             });
-            self.unaged_rows.push((self.table.len() as u32, s.now_ns));
+            self.unaged_rows.push(self.table.len() as u32);
             // In CLOSE_WAIT the peer's FIN (an ACK) arrived when the state was entered, and
             // the peer can only ACK since: time since the last ACK bounds the age from below.
             let bound = if state == TcpState::CloseWait && full {
@@ -178,14 +221,20 @@ impl<'a> TableBuilder<'a> {
 
     /// Direction and service port (now that every listener is known) and owners.
     /// `unit_of` maps a pid to its systemd unit.
+    /// `end_ns`: when the socket dump ended (CLOCK_MONOTONIC ns, read after it).
     pub fn finish(
         self,
         mut holders: Holders,
+        end_ns: u64,
         unit_of: &mut dyn FnMut(u32) -> Option<String>,
     ) -> Vec<Socket> {
         let mut table = self.table;
+        let clock = Clock {
+            start_ns: self.start_ns,
+            end_ns,
+        };
         self.first_seen
-            .resolve(self.unaged, &self.unaged_rows, &mut table);
+            .resolve(self.unaged, &self.unaged_rows, clock, &mut table);
         let h = &mut holders.holders;
         h.sort_unstable();
         h.dedup_by_key(|o| (o.0, o.1));
@@ -209,7 +258,7 @@ impl<'a> TableBuilder<'a> {
             held_by[row as usize] = (j as u32, n as u32);
         }
         // Per process: comm and unit, allocated once.
-        let mut procs: HashMap<u32, Arc<Owner>> = HashMap::new();
+        let mut procs: FxHashMap<u32, Arc<Owner>> = FxHashMap::default();
         for (s, (first, n)) in table.iter_mut().zip(held_by) {
             (s.direction, s.service_port) = if s.state == TcpState::Listen {
                 (Direction::Listen, s.local.port())
@@ -244,14 +293,15 @@ impl<'a> TableBuilder<'a> {
 
 /// Build the table from whole dumps. `unit_of` maps a pid to its systemd unit.
 #[cfg(test)]
-pub fn build(
+fn build(
     socks: &[SockRecord],
     owners: &[OwnerRecord],
     host: &HostInfo,
     first_seen: &mut FirstSeen,
+    clock: Clock,
     unit_of: &mut dyn FnMut(u32) -> Option<String>,
 ) -> Vec<Socket> {
-    let mut b = TableBuilder::new(host, first_seen, socks.len());
+    let mut b = TableBuilder::new(host, first_seen, socks.len(), clock.start_ns);
     for s in socks {
         b.push(s);
     }
@@ -259,16 +309,31 @@ pub fn build(
     for o in owners {
         holders.push(o);
     }
-    b.finish(holders, unit_of)
+    b.finish(holders, clock.end_ns, unit_of)
 }
 
 #[cfg(test)]
 mod tests {
-    use std::net::{Ipv4Addr, Ipv6Addr};
+    use std::{
+        collections::HashMap,
+        net::{Ipv4Addr, Ipv6Addr},
+    };
 
     use connreap_ebpf::{tcp_state, AF_INET6};
 
     use super::*;
+
+    /// A dump at `s` seconds that took no time.
+    fn at(s: u64) -> Clock {
+        Clock {
+            start_ns: s * 1_000_000_000,
+            end_ns: s * 1_000_000_000,
+        }
+    }
+    const NOW: Clock = Clock {
+        start_ns: 100_000_000_000,
+        end_ns: 100_000_000_000,
+    };
 
     fn rec(skaddr: u64, state: u8, sport: u16, dport: u16) -> SockRecord {
         let mut r = SockRecord {
@@ -279,7 +344,6 @@ mod tests {
             sport,
             dport,
             flags: sock_flags::FULL,
-            now_ns: 100_000_000_000,
             ..Default::default()
         };
         r.saddr[..4].copy_from_slice(&[127, 0, 0, 1]);
@@ -319,6 +383,7 @@ mod tests {
             &owners,
             &HostInfo::default(),
             &mut fs,
+            NOW,
             &mut |_| Some("gw.service".into()),
         );
         let cw = t.iter().find(|s| s.state == TcpState::CloseWait).unwrap();
@@ -358,6 +423,7 @@ mod tests {
             &[owner(2, 77, "java"), owner(2, 99, "java")],
             &HostInfo::default(),
             &mut FirstSeen::default(),
+            NOW,
             &mut |_| Some("gw.service".into()),
         );
         assert_eq!(
@@ -375,7 +441,9 @@ mod tests {
         let mut cw = rec(5, tcp_state::CLOSE_WAIT, 45000, 80);
         cw.last_ack_jiffies = 3000; // 12 s at 250 Hz
         let mut fs = FirstSeen::default();
-        let t = build(&[cw], &[], &HostInfo::default(), &mut fs, &mut |_| None);
+        let t = build(&[cw], &[], &HostInfo::default(), &mut fs, NOW, &mut |_| {
+            None
+        });
         assert_eq!(t[0].age, Duration::from_secs(12));
         assert!(!t[0].age_exact);
         assert_eq!(
@@ -386,18 +454,23 @@ mod tests {
 
     #[test]
     fn first_seen_bound_grows_across_scans() {
-        let mut s = rec(9, tcp_state::ESTABLISHED, 45000, 443);
+        let s = rec(9, tcp_state::ESTABLISHED, 45000, 443);
         let mut fs = FirstSeen::default();
-        let t = build(&[s], &[], &HostInfo::default(), &mut fs, &mut |_| None);
-        assert_eq!(t[0].age, Duration::ZERO);
-        s.now_ns += 5_000_000_000;
-        let t = build(&[s], &[], &HostInfo::default(), &mut fs, &mut |_| None);
-        assert_eq!(t[0].age, Duration::from_secs(5));
+        let scan = |fs: &mut FirstSeen, socks: &[SockRecord], start_s: u64, end_s: u64| {
+            let clock = Clock {
+                start_ns: start_s * 1_000_000_000,
+                end_ns: end_s * 1_000_000_000,
+            };
+            build(socks, &[], &HostInfo::default(), fs, clock, &mut |_| None)
+        };
+        assert_eq!(scan(&mut fs, &[s], 100, 102)[0].age, Duration::ZERO);
+        // Seen by the end of the first dump (102 s), aged from the second one's start (107 s):
+        // the socket may have been created while the first dump ran.
+        assert_eq!(scan(&mut fs, &[s], 107, 108)[0].age, Duration::from_secs(5));
+        assert_eq!(scan(&mut fs, &[s], 110, 111)[0].age, Duration::from_secs(8));
         // A socket missing from a scan is forgotten.
-        build(&[], &[], &HostInfo::default(), &mut fs, &mut |_| None);
-        s.now_ns += 5_000_000_000;
-        let t = build(&[s], &[], &HostInfo::default(), &mut fs, &mut |_| None);
-        assert_eq!(t[0].age, Duration::ZERO);
+        scan(&mut fs, &[], 115, 116);
+        assert_eq!(scan(&mut fs, &[s], 120, 121)[0].age, Duration::ZERO);
     }
 
     /// Sockets arrive in the kernel's hash order: first-seen bounds and owners must not depend
@@ -413,13 +486,9 @@ mod tests {
                 v.swap(i, (x % (i as u64 + 1)) as usize);
             }
         };
-        let dump = |range: std::ops::Range<u64>, now_s: u64| {
+        let dump = |range: std::ops::Range<u64>| {
             range
-                .map(|a| {
-                    let mut r = rec(a * 64, tcp_state::ESTABLISHED, 40000, 443);
-                    r.now_ns = now_s * 1_000_000_000;
-                    r
-                })
+                .map(|a| rec(a * 64, tcp_state::ESTABLISHED, 40000, 443))
                 .collect::<Vec<_>>()
         };
         let owners: Vec<OwnerRecord> = (0..1000u64)
@@ -435,10 +504,17 @@ mod tests {
         let scans: [(std::ops::Range<u64>, u64); 3] = [(0..500, 0), (250..750, 5), (0..100, 9)];
         let mut first_seen: HashMap<u64, u64> = HashMap::new();
         for (range, now) in scans {
-            let mut d = dump(range.clone(), now);
+            let mut d = dump(range.clone());
             d.push(d[7]);
             shuffle(&mut d);
-            let t = build(&d, &owners, &HostInfo::default(), &mut fs, &mut |_| None);
+            let t = build(
+                &d,
+                &owners,
+                &HostInfo::default(),
+                &mut fs,
+                at(now),
+                &mut |_| None,
+            );
             assert_eq!(t.len(), d.len());
             let mut model = HashMap::new();
             for r in &d {
@@ -472,10 +548,58 @@ mod tests {
             &[],
             &HostInfo::default(),
             &mut FirstSeen::default(),
+            NOW,
             &mut |_| None,
         );
         assert_eq!(t[0].local.to_string(), "[::1]:45000");
         assert_eq!(t[0].peer.to_string(), "[::ffff:10.0.16.36]:8080");
+    }
+
+    /// Timewait sockets are aged from the kernel's stamp (CLOCK_MONOTONIC ms, low 32 bits),
+    /// not from when connreap first saw them.
+    #[test]
+    fn timewait_age_from_the_kernel_stamp() {
+        // A dump at 2^32 + 1000 ms: its low 32 bits have wrapped past the stamps.
+        let start_ms = (1u64 << 32) + 1000;
+        let clock = Clock {
+            start_ns: start_ms * 1_000_000,
+            end_ns: start_ms * 1_000_000 + 50_000_000,
+        };
+        let tw = |skaddr, state, stamp: u32| {
+            let mut r = rec(skaddr, state, 40000, 8080);
+            r.flags = sock_flags::TW_ENTRY;
+            r.tw_entry_ms = stamp;
+            r
+        };
+        let mut unstamped = rec(4, tcp_state::TIME_WAIT, 40001, 8080);
+        unstamped.flags = 0;
+        let socks = [
+            tw(1, tcp_state::TIME_WAIT, u32::MAX - 29_000 + 1), // 30 s before
+            tw(2, tcp_state::FIN_WAIT2, 500),                   // 0.5 s before
+            tw(3, tcp_state::TIME_WAIT, 1500),                  // "after" the dump began
+            unstamped,
+        ];
+        let mut fs = FirstSeen::default();
+        let t = build(
+            &socks,
+            &[],
+            &HostInfo::default(),
+            &mut fs,
+            clock,
+            &mut |_| None,
+        );
+        let ages: Vec<_> = t.iter().map(|s| (s.age, s.age_exact)).collect();
+        assert_eq!(
+            ages,
+            [
+                (Duration::from_secs(30), true),
+                (Duration::from_millis(500), false),
+                (Duration::ZERO, true),
+                (Duration::ZERO, false),
+            ]
+        );
+        // Only the unstamped one is remembered for a first-seen bound.
+        assert_eq!(fs.seen.len(), 1);
     }
 
     #[test]
@@ -487,6 +611,7 @@ mod tests {
             &[],
             &HostInfo::default(),
             &mut FirstSeen::default(),
+            NOW,
             &mut |_| None,
         );
         assert_eq!(t[0].idle, None);
