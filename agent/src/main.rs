@@ -96,7 +96,8 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
         std::io::Write::write_all(&mut w, b"\n")?;
         std::io::Write::flush(&mut w)?;
     } else {
-        print!("{}", snapshot::render_table(&selected, &groups));
+        let text = snapshot::render_table(&selected, &groups);
+        std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes())?;
     }
     // Where a snapshot's time goes (`RUST_LOG=connreap::snapshot=debug`; the benchmarks read it).
     tracing::debug!(
@@ -238,9 +239,24 @@ fn main() -> ExitCode {
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
+        // `connreap snapshot | head`: the reader stopped reading; nothing went wrong here.
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("connreap: {e:#}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// Whether `e` is a write to a pipe whose reader has gone.
+fn is_broken_pipe(e: &anyhow::Error) -> bool {
+    e.chain().any(|c| {
+        c.downcast_ref::<std::io::Error>()
+            .map(std::io::Error::kind)
+            .or_else(|| {
+                c.downcast_ref::<serde_json::Error>()
+                    .and_then(serde_json::Error::io_error_kind)
+            })
+            == Some(std::io::ErrorKind::BrokenPipe)
+    })
 }
