@@ -1,8 +1,7 @@
 //! Local connection pairs (both ends on this host) and stuck_established_pairs.
-use std::{
-    collections::{BTreeMap, HashMap},
-    net::SocketAddr,
-};
+use std::{collections::BTreeMap, net::SocketAddr};
+
+use rustc_hash::FxHashMap;
 
 use super::{describe_owners, oldest_briefs, round3, Finding, Kind, ProcessCount};
 use crate::{
@@ -31,7 +30,7 @@ where
     I::IntoIter: Clone,
 {
     let socks = socks.into_iter();
-    let by_tuple: HashMap<(SocketAddr, SocketAddr), &Socket> = socks
+    let by_tuple: FxHashMap<(SocketAddr, SocketAddr), &Socket> = socks
         .clone()
         .filter(|s| s.state != TcpState::Listen)
         .map(|s| ((canon(s.local), canon(s.peer)), s))

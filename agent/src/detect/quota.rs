@@ -1,5 +1,5 @@
 //! quota_exhausted_by_leak and quota_source_unavailable.
-use std::collections::HashMap;
+use rustc_hash::FxHashMap;
 
 use super::{
     describe_owners, local_pairs, oldest_briefs, processes, round3, Finding, Input, Kind, QuotaRef,
@@ -49,7 +49,7 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
         .any(|s| s.entries.iter().any(saturated));
     // The other end of each local connection, to name both owners (only needed, and only
     // computed, when some quota is saturated).
-    let mut other_end: HashMap<u64, &Socket> = HashMap::new();
+    let mut other_end: FxHashMap<u64, &Socket> = FxHashMap::default();
     if any_saturated {
         for p in local_pairs(input.table) {
             other_end.insert(p.client.skaddr, p.server);
