@@ -1,10 +1,7 @@
 //! Filters, grouping and rendering of the socket table (`connreap snapshot`, `GET /v1/sockets`).
-use std::{
-    collections::{HashMap, HashSet},
-    fmt::Write as _,
-    time::Duration,
-};
+use std::{fmt::Write as _, time::Duration};
 
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 
 use crate::table::{Socket, TcpState};
@@ -112,7 +109,7 @@ fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
 
 /// Group sockets, largest group first.
 pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
-    let mut groups: HashMap<(Option<u32>, u16, TcpState), Group> = HashMap::new();
+    let mut groups: FxHashMap<(Option<u32>, u16, TcpState), Group> = FxHashMap::default();
     for s in socks {
         let g = groups
             .entry((s.pid(), s.service_port, s.state))
@@ -155,7 +152,7 @@ pub fn sort_for_display(socks: &mut [&Socket]) {
             .as_ref()
             .map_or(0, |o| std::sync::Arc::as_ptr(o) as usize)
     };
-    let mut seen = HashSet::new();
+    let mut seen = FxHashSet::default();
     let mut owners: Vec<(&str, Option<u32>, usize)> = Vec::new();
     for s in socks.iter() {
         if seen.insert(id(s)) {
@@ -164,7 +161,8 @@ pub fn sort_for_display(socks: &mut [&Socket]) {
     }
     owners.sort_unstable();
     // Equal (comm, pid) get equal ranks.
-    let mut rank: HashMap<usize, usize> = HashMap::with_capacity(owners.len());
+    let mut rank: FxHashMap<usize, usize> =
+        FxHashMap::with_capacity_and_hasher(owners.len(), Default::default());
     let mut r = 0;
     for (i, o) in owners.iter().enumerate() {
         if i > 0 && (owners[i - 1].0, owners[i - 1].1) != (o.0, o.1) {
