@@ -1,4 +1,6 @@
 //! Filters, grouping and rendering of the socket table (`connreap snapshot`, `GET /v1/sockets`).
+mod row;
+
 use std::{fmt::Write as _, time::Duration};
 
 use rustc_hash::{FxHashMap, FxHashSet};
@@ -241,7 +243,7 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
             if i > 0 {
                 out.push(b',');
             }
-            to_json_writer(&mut out, s)?;
+            row::write_row(&mut out, s)?;
         }
         Ok(out)
     };

@@ -115,6 +115,17 @@ pub enum Direction {
     Outbound,
 }
 
+impl Direction {
+    /// The JSON name.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Direction::Listen => "listen",
+            Direction::Inbound => "inbound",
+            Direction::Outbound => "outbound",
+        }
+    }
+}
+
 /// The process owning sockets: one allocation per process, shared by all its sockets.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Owner {
@@ -169,28 +180,49 @@ impl FromStr for Endpoint {
     }
 }
 
+impl Endpoint {
+    /// "a.b.c.d:port" into `buf` without core::fmt (the common case, hot in snapshot output);
+    /// the length written. None for IPv6.
+    fn v4_text(&self, buf: &mut [u8; 21]) -> Option<usize> {
+        let IpAddr::V4(ip) = self.ip else {
+            return None;
+        };
+        let mut n = 0;
+        let mut put = |b: &[u8]| {
+            buf[n..n + b.len()].copy_from_slice(b);
+            n += b.len();
+        };
+        for (i, o) in ip.octets().into_iter().enumerate() {
+            if i > 0 {
+                put(b".");
+            }
+            put(itoa::Buffer::new().format(o).as_bytes());
+        }
+        put(b":");
+        put(itoa::Buffer::new().format(self.port).as_bytes());
+        Some(n)
+    }
+
+    /// Append what Display prints (no character of it needs escaping in JSON).
+    pub fn write_text(&self, out: &mut Vec<u8>) {
+        let mut buf = [0u8; 21];
+        match self.v4_text(&mut buf) {
+            Some(n) => out.extend_from_slice(&buf[..n]),
+            None => {
+                use std::io::Write as _;
+                // Writing to a Vec cannot fail.
+                let _ = write!(out, "{self}");
+            }
+        }
+    }
+}
+
 impl Serialize for Endpoint {
     fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        match self.ip {
-            // "a.b.c.d:port" without core::fmt: the common case, hot in snapshot output.
-            IpAddr::V4(ip) => {
-                let mut buf = [0u8; 21];
-                let mut n = 0;
-                let mut put = |b: &[u8]| {
-                    buf[n..n + b.len()].copy_from_slice(b);
-                    n += b.len();
-                };
-                for (i, o) in ip.octets().into_iter().enumerate() {
-                    if i > 0 {
-                        put(b".");
-                    }
-                    put(itoa::Buffer::new().format(o).as_bytes());
-                }
-                put(b":");
-                put(itoa::Buffer::new().format(self.port).as_bytes());
-                s.serialize_str(std::str::from_utf8(&buf[..n]).unwrap_or_default())
-            }
-            IpAddr::V6(_) => s.collect_str(self),
+        let mut buf = [0u8; 21];
+        match self.v4_text(&mut buf) {
+            Some(n) => s.serialize_str(std::str::from_utf8(&buf[..n]).unwrap_or_default()),
+            None => s.collect_str(self),
         }
     }
 }
@@ -229,7 +261,7 @@ pub struct Socket {
     pub age_exact: bool,
 }
 
-fn round_secs(d: Duration) -> f64 {
+pub(crate) fn round_secs(d: Duration) -> f64 {
     (d.as_secs_f64() * 1000.0).round() / 1000.0
 }
 
