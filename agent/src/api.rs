@@ -142,8 +142,15 @@ async fn sockets(
                     );
                 }
                 let selected: Vec<&Socket> = p.table.iter().filter(|s| filter.matches(s)).collect();
-                return Json(json!({ "count": selected.len(), "sockets": selected }))
-                    .into_response();
+                return match crate::snapshot::socket_list_json(&selected) {
+                    Ok(body) => {
+                        ([(header::CONTENT_TYPE, "application/json")], body).into_response()
+                    }
+                    Err(e) => error(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        format!("cannot render the socket table: {e}"),
+                    ),
+                };
             }
         }
         ready.await;

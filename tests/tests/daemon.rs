@@ -714,6 +714,33 @@ close_wait_threshold = 8"#,
         agent.metric(r#"connreap_findings{kind="close_wait_buildup"}"#),
         Some(1.0)
     );
+    // The socket table over the API, with snapshot's filters: the client's 12 CLOSE_WAIT
+    // sockets, each with its owner; a bad filter is a 400 that names it.
+    let path = format!("/v1/sockets?state=CLOSE_WAIT&pid={}", client.pid());
+    let list = agent.get_ok(&path);
+    assert_eq!(list["count"], 12, "GET {path}: {list:#}");
+    let rows = list["sockets"].as_array().unwrap();
+    assert_eq!(rows.len(), 12, "GET {path}: {list:#}");
+    for s in rows {
+        assert_eq!(
+            (&s["state"], &s["pid"], &s["comm"], &s["service_port"]),
+            (
+                &Value::from("CLOSE_WAIT"),
+                &Value::from(client.pid()),
+                &Value::from(PEER_COMM),
+                &Value::from(port)
+            ),
+            "{s}"
+        );
+        let local = s["local"].as_str().unwrap();
+        assert!(locals.contains(&local), "{local} is not one of {locals:?}");
+    }
+    let (code, bad) = agent.get("/v1/sockets?state=BOGUS");
+    assert_eq!(code, 400, "{bad}");
+    assert!(
+        bad["error"].as_str().is_some_and(|e| e.contains("BOGUS")),
+        "{bad}"
+    );
     agent.assert_healthy();
 
     // The client releases its pool (restart): resolved.
