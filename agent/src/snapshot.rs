@@ -229,12 +229,7 @@ pub fn socket_list_json(sockets: &[&Socket]) -> serde_json::Result<Vec<u8>> {
     out.extend_from_slice(b"{\"count\":");
     out.extend_from_slice(itoa::Buffer::new().format(sockets.len()).as_bytes());
     out.extend_from_slice(b",\"sockets\":[");
-    for (i, s) in sockets.iter().enumerate() {
-        if i > 0 {
-            out.push(b',');
-        }
-        row::write_row(&mut out, s)?;
-    }
+    row::write_rows(&mut out, sockets)?;
     out.extend_from_slice(b"]}");
     Ok(out)
 }
@@ -256,12 +251,7 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     let threads = threads.max(1);
     let render = |rows: &[&Socket]| -> serde_json::Result<Vec<u8>> {
         let mut out = Vec::with_capacity(rows.len() * 360);
-        for (i, s) in rows.iter().enumerate() {
-            if i > 0 {
-                out.push(b',');
-            }
-            row::write_row(&mut out, s)?;
-        }
+        row::write_rows(&mut out, rows)?;
         Ok(out)
     };
     let io = serde_json::Error::io;

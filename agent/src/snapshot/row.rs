@@ -33,7 +33,7 @@ fn secs(out: &mut Vec<u8>, key: &[u8], d: Option<Duration>) -> std::io::Result<(
 }
 
 /// Append `s` as a compact JSON object (no separator before it).
-pub(super) fn write_row(out: &mut Vec<u8>, s: &Socket) -> serde_json::Result<()> {
+fn write_row(out: &mut Vec<u8>, s: &Socket) -> serde_json::Result<()> {
     let io = serde_json::Error::io;
     num(out, b"{\"inode\":", s.inode);
     if s.cookie != 0 {
@@ -77,6 +77,17 @@ pub(super) fn write_row(out: &mut Vec<u8>, s: &Socket) -> serde_json::Result<()>
         out.push(b']');
     }
     out.push(b'}');
+    Ok(())
+}
+
+/// Append `rows` as JSON objects separated by commas (the inside of an array).
+pub(super) fn write_rows(out: &mut Vec<u8>, rows: &[&Socket]) -> serde_json::Result<()> {
+    for (i, s) in rows.iter().enumerate() {
+        if i > 0 {
+            out.push(b',');
+        }
+        write_row(out, s)?;
+    }
     Ok(())
 }
 
