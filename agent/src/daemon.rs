@@ -1,6 +1,6 @@
 //! `connreap run`: the scan loop, quota pollers, transition-event reader, webhooks and the API.
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::BTreeMap,
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -87,7 +87,8 @@ async fn read_events(
         // Counted per (pid, comm, port) as raw bytes first, then one storm key per distinct
         // triple: a churning client makes tens of thousands of opens a second, each of which
         // would otherwise cost a String and a tree insert.
-        let mut opens: HashMap<(u32, [u8; 16], u16), u64> = HashMap::new();
+        let mut opens: rustc_hash::FxHashMap<(u32, [u8; 16], u16), u64> =
+            rustc_hash::FxHashMap::default();
         while let Some(item) = ring.next() {
             let events = match crate::kernel::events::decode(&item) {
                 Ok(events) => events,
