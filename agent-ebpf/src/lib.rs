@@ -289,7 +289,7 @@ pub struct EventBatch {
     pub count: u32,
     /// Non-zero while a program on this CPU is changing the batch.
     pub busy: u32,
-    /// Ring producer position / 256 KiB when this CPU last asked for a wakeup (staging only).
+    /// Ring producer position / 1 MiB when this CPU last asked for a wakeup (staging only).
     pub wake_mark: u64,
     /// TCP state transitions this CPU has seen (staging only; userspace sums the CPUs). Kept
     /// here, next to `busy` and `count`, rather than in `CONNREAP_COUNTERS`: one cache line for

@@ -57,30 +57,40 @@ async fn read_events(
         }
     };
     let mut flush_failing = false;
+    // Partial per-CPU batches are sent on a fixed cadence, not on every wakeup: under load the
+    // probe wakes us every 1 MiB of events (tens of times a second), and a flush costs a
+    // BPF_PROG_TEST_RUN per CPU, each an IPI that interrupts the CPU doing the work. Full batches
+    // need no flush, so a wakeup only drains; no transition waits longer than one tick.
+    let mut flush_tick = tokio::time::interval(Duration::from_millis(500));
+    flush_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
-        // The probe wakes us only when a lot is pending; otherwise drain twice a second.
-        tokio::select! {
+        // The probe wakes us only when a lot is pending; otherwise drain on the tick.
+        let flush = tokio::select! {
             r = fd.readable_mut() => match r {
-                Ok(mut guard) => guard.clear_ready(),
+                Ok(mut guard) => {
+                    guard.clear_ready();
+                    false
+                }
                 Err(e) => {
                     tracing::error!(error = %e, "transition ring poll failed; reconnect_storm is disabled");
                     return;
                 }
             },
-            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
-        }
-        // Partial per-CPU batches first, so no transition waits longer than one drain.
-        match flusher.flush() {
-            Ok(round) => {
-                flush_failing = false;
-                metrics.batches_flushed.inc_by(round.sent.into());
-                metrics.flush_busy.inc_by(round.busy.into());
+            _ = flush_tick.tick() => true,
+        };
+        if flush {
+            match flusher.flush() {
+                Ok(round) => {
+                    flush_failing = false;
+                    metrics.batches_flushed.inc_by(round.sent.into());
+                    metrics.flush_busy.inc_by(round.busy.into());
+                }
+                Err(e) if !flush_failing => {
+                    flush_failing = true;
+                    tracing::warn!(error = %e, "cannot flush the per-CPU event batches; events arrive in full batches only");
+                }
+                Err(_) => {}
             }
-            Err(e) if !flush_failing => {
-                flush_failing = true;
-                tracing::warn!(error = %e, "cannot flush the per-CPU event batches; events arrive in full batches only");
-            }
-            Err(_) => {}
         }
         let ring = fd.get_mut();
         let mut n = 0u64;

@@ -32,11 +32,24 @@ enum WorkerCmd {
         #[arg(long)]
         conns: usize,
     },
+    /// Run the churn load of measures 1 and 2 in this process's namespace for SECS seconds and
+    /// print `conns N secs S` (to study the tracker and daemon by hand, e.g. under perf).
+    Churn {
+        #[arg(long, default_value_t = 2)]
+        workers: u8,
+        #[arg(long)]
+        secs: u64,
+    },
 }
 
 pub fn worker(args: WorkerArgs) -> Result<()> {
     match args.cmd {
         WorkerCmd::Holder { listen, conns } => holder(listen, conns),
+        WorkerCmd::Churn { workers, secs } => {
+            let c = churn(&NsHandle::current()?, workers, Duration::from_secs(secs))?;
+            println!("conns {} secs {:.3}", c.conns, c.elapsed.as_secs_f64());
+            Ok(())
+        }
     }
 }
 

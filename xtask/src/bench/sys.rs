@@ -85,6 +85,12 @@ fn setns(f: &File) -> std::io::Result<()> {
 }
 
 impl NsHandle {
+    /// The calling thread's own namespace.
+    pub fn current() -> Result<NsHandle> {
+        let f = File::open("/proc/thread-self/ns/net").context("open /proc/thread-self/ns/net")?;
+        Ok(NsHandle(Arc::new(f)))
+    }
+
     /// `program` started inside the namespace (network namespace only, like `nsenter --net`).
     pub fn command(&self, program: impl AsRef<OsStr>) -> Command {
         let mut cmd = Command::new(program);
