@@ -1,36 +1,35 @@
 //! Alert lifecycle: findings become firing alerts (sent once, then every repeat interval) and
-//! resolved alerts when they clear. Pure; the webhook module does the sending.
+//! resolved alerts when they clear. Pure; `notify` holds what is sent, `webhook` sends it.
 use std::{
-    collections::BTreeMap,
+    collections::{btree_map::Entry, BTreeMap},
     time::{Duration, Instant},
 };
 
 use chrono::{DateTime, SecondsFormat, Utc};
-use serde::Serialize;
 
-use crate::detect::Finding;
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
-#[serde(rename_all = "lowercase")]
-pub enum Status {
-    Firing,
-    Resolved,
-}
-
-/// A finding as sent to webhooks and served on /v1/findings.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct Alert {
-    #[serde(flatten)]
-    pub finding: Finding,
-    pub status: Status,
-    pub host: String,
-    pub started_at: String,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ended_at: Option<String>,
-}
+use crate::{
+    detect::Finding,
+    notify::{Alert, Notification, Status},
+};
 
 pub fn rfc3339(t: DateTime<Utc>) -> String {
     t.to_rfc3339_opts(SecondsFormat::Secs, true)
+}
+
+/// serde `serialize_with` for a time shown as [`rfc3339`].
+pub fn ser_rfc3339<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(&rfc3339(*t))
+}
+
+/// [`ser_rfc3339`] for an optional time (None is null).
+pub fn ser_rfc3339_opt<S: serde::Serializer>(
+    t: &Option<DateTime<Utc>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => ser_rfc3339(t, s),
+        None => s.serialize_none(),
+    }
 }
 
 struct Active {
@@ -46,10 +45,10 @@ pub struct Tracker {
     active: BTreeMap<String, Active>,
 }
 
-/// What one scan produced: the current alerts, and those to notify now.
+/// What one scan produced: the current alerts, and what to notify now.
 pub struct Update {
     pub current: Vec<Alert>,
-    pub notify: Vec<Alert>,
+    pub notify: Vec<Notification>,
 }
 
 impl Tracker {
@@ -69,8 +68,9 @@ impl Tracker {
             if !seen.insert(f.fingerprint.clone()) {
                 continue; // one alert per fingerprint
             }
-            let (active, new) = match self.active.get_mut(&f.fingerprint) {
-                Some(a) => {
+            let (active, new, changed) = match self.active.entry(f.fingerprint.clone()) {
+                Entry::Occupied(o) => {
+                    let a = o.into_mut();
                     // A changed verdict is news (a quota saturated by young connections first
                     // reads as "load", and as "leak" once they have been idle): notify again.
                     let changed = a.last.verdict != f.verdict;
@@ -78,34 +78,30 @@ impl Tracker {
                         tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, "verdict changed: {}", f.summary);
                     }
                     a.last = f.clone();
-                    (a, changed)
+                    (a, false, changed)
                 }
-                None => {
+                Entry::Vacant(v) => {
                     tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, "firing: {}", f.summary);
-                    self.active.insert(
-                        f.fingerprint.clone(),
-                        Active {
-                            started_at: wall,
-                            last_sent: now,
-                            last: f.clone(),
-                        },
-                    );
-                    (
-                        self.active.get_mut(&f.fingerprint).expect("just inserted"),
-                        true,
-                    )
+                    let a = v.insert(Active {
+                        started_at: wall,
+                        last_sent: now,
+                        last: f.clone(),
+                    });
+                    (a, true, false)
                 }
             };
             let alert = Alert {
                 status: Status::Firing,
                 host: self.host.clone(),
-                started_at: rfc3339(active.started_at),
+                started_at: active.started_at,
                 ended_at: None,
                 finding: f,
             };
-            if new || now.duration_since(active.last_sent) >= self.repeat {
+            if new {
+                notify.push(Notification::Fired(alert.clone()));
+            } else if changed || now.duration_since(active.last_sent) >= self.repeat {
                 active.last_sent = now;
-                notify.push(alert.clone());
+                notify.push(Notification::Updated(alert.clone()));
             }
             current.push(alert);
         }
@@ -118,13 +114,13 @@ impl Tracker {
         for key in gone {
             if let Some(a) = self.active.remove(&key) {
                 tracing::info!(fingerprint = %key, "resolved");
-                notify.push(Alert {
+                notify.push(Notification::Resolved(Alert {
                     finding: a.last,
                     status: Status::Resolved,
                     host: self.host.clone(),
-                    started_at: rfc3339(a.started_at),
-                    ended_at: Some(rfc3339(wall)),
-                });
+                    started_at: a.started_at,
+                    ended_at: Some(wall),
+                }));
             }
         }
         Update { current, notify }
@@ -141,6 +137,13 @@ impl Tracker {
 mod tests {
     use super::*;
     use crate::detect::Kind;
+
+    fn alert(n: &Notification) -> &Alert {
+        match n {
+            Notification::Fired(a) | Notification::Updated(a) | Notification::Resolved(a) => a,
+            Notification::Reclaimed(_) => panic!("not an alert: {n:?}"),
+        }
+    }
 
     fn finding(fp: &str, count: usize) -> Finding {
         let mut f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, fp);
@@ -160,12 +163,9 @@ mod tests {
         f.verdict = Some("leak".into());
         let u = t.update(vec![f.clone()], t0 + Duration::from_secs(3), w0);
         assert_eq!(u.notify.len(), 1);
-        assert_eq!(u.notify[0].finding.verdict.as_deref(), Some("leak"));
-        assert_eq!(
-            u.notify[0].started_at,
-            rfc3339(w0),
-            "same alert, same start"
-        );
+        assert!(matches!(u.notify[0], Notification::Updated(_)));
+        assert_eq!(alert(&u.notify[0]).finding.verdict.as_deref(), Some("leak"));
+        assert_eq!(alert(&u.notify[0]).started_at, w0, "same alert, same start");
         assert!(t
             .update(vec![f], t0 + Duration::from_secs(4), w0)
             .notify
@@ -179,8 +179,9 @@ mod tests {
         let w0 = Utc::now();
         let u = t.update(vec![finding("a", 16)], t0, w0);
         assert_eq!(u.notify.len(), 1);
-        assert_eq!(u.notify[0].status, Status::Firing);
-        assert_eq!(u.notify[0].host, "h1");
+        assert!(matches!(u.notify[0], Notification::Fired(_)));
+        assert_eq!(alert(&u.notify[0]).status, Status::Firing);
+        assert_eq!(alert(&u.notify[0]).host, "h1");
         let u = t.update(vec![finding("a", 20)], t0 + Duration::from_secs(5), w0);
         assert!(u.notify.is_empty(), "not re-sent before repeat_interval");
         assert_eq!(u.current[0].finding.count, 20);
@@ -188,7 +189,8 @@ mod tests {
         assert_eq!(u.notify.len(), 1, "re-sent after repeat_interval");
         let u = t.update(vec![], t0 + Duration::from_secs(3700), w0);
         assert_eq!(u.notify.len(), 1);
-        let r = &u.notify[0];
+        assert!(matches!(u.notify[0], Notification::Resolved(_)));
+        let r = alert(&u.notify[0]);
         assert_eq!((r.status, r.finding.count), (Status::Resolved, 21));
         assert!(r.ended_at.is_some());
         assert_eq!(t.firing(), 0);

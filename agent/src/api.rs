@@ -1,8 +1,6 @@
-//! HTTP API (axum): health, metrics, sockets, findings, quotas.
-use std::{
-    sync::{Arc, Mutex, RwLock},
-    time::Instant,
-};
+//! HTTP API (axum): health, metrics, sockets, findings, quotas, reclaims. Handlers read what
+//! the scan loop published and ask the engine for reclaim rounds; none of them blocks.
+use std::{sync::Arc, time::Instant};
 
 use axum::{
     extract::{Query, State},
@@ -12,23 +10,33 @@ use axum::{
     Json, Router,
 };
 use serde_json::json;
+use tokio::sync::watch;
 
 use crate::{
-    alert::Alert, config::Config, metrics::Metrics, quota::QuotaStatus, reclaim::exec::Reclaimer,
-    scan::Scanner, snapshot::FilterArgs, table::Socket, webhook::Webhooks,
+    config::Config, engine::Engine, metrics::Metrics, notify::Alert, quota::QuotaStatus,
+    snapshot::FilterArgs, table::Socket,
 };
 
-/// What the scan loop publishes for the API.
-#[derive(Default)]
+/// The socket table as the API sees it.
+#[derive(Clone, Default)]
+pub enum TableView {
+    /// The scan loop freed the last table and is building the next one (the daemon never
+    /// holds two): readers wait for the next publication.
+    #[default]
+    Pending,
+    Ready(Arc<Vec<Socket>>),
+    /// The last scan failed, with why.
+    Failed(String),
+}
+
+/// What the scan loop publishes for the API (cheap to clone: the big parts are shared).
+#[derive(Clone, Default)]
 pub struct Published {
-    pub table: Vec<Socket>,
+    pub table: TableView,
     /// Sockets in the last table (kept while the next one is built).
     pub sockets: usize,
-    /// The scan loop freed `table` and is building the next one (the daemon never holds two
-    /// tables): readers wait for [`AppState::table_ready`].
-    pub table_pending: bool,
-    pub alerts: Vec<Alert>,
-    pub quotas: Vec<QuotaStatus>,
+    pub alerts: Arc<Vec<Alert>>,
+    pub quotas: Arc<Vec<QuotaStatus>>,
     pub last_scan: Option<Instant>,
     pub last_scan_error: Option<String>,
     pub scans: u64,
@@ -37,26 +45,38 @@ pub struct Published {
 }
 
 pub struct AppState {
-    pub published: RwLock<Published>,
+    pub published: watch::Sender<Published>,
     pub metrics: Arc<Metrics>,
     pub cfg: Config,
     pub started: Instant,
-    /// Signalled when a scan publishes its table (or fails).
-    pub table_ready: tokio::sync::Notify,
-    pub scanner: Arc<Mutex<Scanner>>,
-    pub reclaimer: Arc<Mutex<Reclaimer>>,
+    pub engine: Engine,
     /// Bearer token for POST /v1/reclaim (None: endpoint off).
     pub token: Option<String>,
-    pub webhooks: Webhooks,
 }
 
 impl AppState {
-    pub fn read(&self) -> std::sync::RwLockReadGuard<'_, Published> {
-        self.published.read().unwrap_or_else(|e| e.into_inner())
+    /// The last publication (its big parts are shared, not copied).
+    pub fn read(&self) -> Published {
+        self.published.borrow().clone()
     }
-    pub fn write(&self) -> std::sync::RwLockWriteGuard<'_, Published> {
-        self.published.write().unwrap_or_else(|e| e.into_inner())
+}
+
+/// The bearer token for POST /v1/reclaim, if configured.
+pub fn read_token(cfg: &Config) -> anyhow::Result<Option<String>> {
+    use anyhow::Context as _;
+    if cfg.api.token_file.is_empty() {
+        return Ok(None);
     }
+    let t = std::fs::read_to_string(&cfg.api.token_file)
+        .with_context(|| format!("cannot read api.token_file {}", cfg.api.token_file))?;
+    let t = t.trim().to_string();
+    if t.len() < 16 {
+        anyhow::bail!(
+            "api.token_file {}: token must be at least 16 characters",
+            cfg.api.token_file
+        );
+    }
+    Ok(Some(t))
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -90,7 +110,7 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
         "findings": p.alerts.len(),
         "webhook_queued": p.webhook_queued,
         "uptime_secs": st.started.elapsed().as_secs(),
-        "reclaim_mechanism": st.reclaimer.lock().map(|r| r.mechanism_name().to_string()).unwrap_or_default(),
+        "reclaim_mechanism": st.engine.mechanism,
     });
     let code = if healthy {
         StatusCode::OK
@@ -125,49 +145,48 @@ async fn sockets(
         Ok(f) => f,
         Err(e) => return error(StatusCode::BAD_REQUEST, e),
     };
+    let mut rx = st.published.subscribe();
     loop {
-        // Registered before the check, so a publication between the two is not missed.
-        let ready = st.table_ready.notified();
-        tokio::pin!(ready);
-        ready.as_mut().enable();
-        {
-            let p = st.read();
-            if !p.table_pending {
-                if let Some(e) = &p.last_scan_error {
-                    // The table was freed for a scan that failed: say so rather than answer
-                    // with an empty list.
-                    return error(
-                        StatusCode::SERVICE_UNAVAILABLE,
-                        format!("the last scan failed: {e}"),
-                    );
-                }
-                let selected: Vec<&Socket> = p.table.iter().filter(|s| filter.matches(s)).collect();
-                return match crate::snapshot::socket_list_json(&selected) {
-                    Ok(body) => {
-                        ([(header::CONTENT_TYPE, "application/json")], body).into_response()
-                    }
-                    Err(e) => error(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        format!("cannot render the socket table: {e}"),
-                    ),
-                };
+        let table = rx.borrow_and_update().table.clone();
+        let table = match table {
+            TableView::Ready(t) => t,
+            // The table was freed for a scan that failed: say so rather than answer with an
+            // empty list.
+            TableView::Failed(e) => {
+                return error(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    format!("the last scan failed: {e}"),
+                )
             }
-        }
-        ready.await;
+            TableView::Pending => {
+                if rx.changed().await.is_err() {
+                    return error(StatusCode::SERVICE_UNAVAILABLE, "shutting down");
+                }
+                continue;
+            }
+        };
+        let selected: Vec<&Socket> = table.iter().filter(|s| filter.matches(s)).collect();
+        return match crate::snapshot::socket_list_json(&selected) {
+            Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+            Err(e) => error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("cannot render the socket table: {e}"),
+            ),
+        };
     }
 }
 
 async fn findings(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({ "findings": st.read().alerts })).into_response()
+    Json(json!({ "findings": *st.read().alerts })).into_response()
 }
 
 async fn quotas(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({ "quotas": st.read().quotas })).into_response()
+    Json(json!({ "quotas": *st.read().quotas })).into_response()
 }
 
 async fn reclaims(State(st): State<Arc<AppState>>) -> Response {
-    let recent = st.reclaimer.lock().map(|r| r.recent()).unwrap_or_default();
-    Json(json!({ "reclaims": recent })).into_response()
+    let recent = st.engine.recent.borrow().clone();
+    Json(json!({ "reclaims": *recent })).into_response()
 }
 
 #[derive(serde::Deserialize)]
@@ -234,34 +253,9 @@ async fn reclaim(
             ),
         );
     };
-    let st2 = st.clone();
-    let result = tokio::task::spawn_blocking(move || {
-        let quotas = st2.read().quotas.clone();
-        let mut scanner = st2.scanner.lock().unwrap_or_else(|e| e.into_inner());
-        let table = scanner.scan().map_err(|e| e.to_string())?;
-        let mut reclaimer = st2.reclaimer.lock().unwrap_or_else(|e| e.into_inner());
-        Ok::<_, String>(reclaimer.round(
-            &policy,
-            &st2.cfg,
-            &mut scanner,
-            &table,
-            &quotas,
-            req.dry_run,
-        ))
-    })
-    .await;
-    match result {
-        Ok(Ok(round)) => {
-            crate::daemon::after_round(&st, &round);
-            Json(round).into_response()
-        }
-        Ok(Err(e)) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("scan failed: {e}"),
-        ),
-        Err(e) => error(
-            StatusCode::INTERNAL_SERVER_ERROR,
-            format!("reclaim task failed: {e}"),
-        ),
+    let quotas = st.read().quotas;
+    match st.engine.reclaim_now(policy, req.dry_run, quotas).await {
+        Ok(round) => Json(round).into_response(),
+        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
     }
 }

@@ -4,11 +4,15 @@ mod api;
 mod config;
 mod daemon;
 mod detect;
+mod engine;
 mod kernel;
 mod metrics;
+mod notify;
+mod poller;
 mod quota;
 mod reclaim;
 mod scan;
+mod scan_loop;
 mod snapshot;
 mod table;
 mod webhook;
@@ -139,8 +143,8 @@ fn reclaim_once(
             names.join(", ")
         );
     };
-    let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
-    let table = scanner.scan()?;
+    let mut core = engine::Core::new(cfg.clone(), kernel::Kernel::load(verbose)?, verbose);
+    let table = core.scanner.scan()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
@@ -158,8 +162,7 @@ fn reclaim_once(
             }
         })
         .collect();
-    let mut reclaimer = reclaim::exec::Reclaimer::new(cfg, &scanner.kernel, verbose);
-    let round = reclaimer.round(policy, cfg, &mut scanner, &table, &quotas, dry_run);
+    let round = core.round(policy, &table, &quotas, dry_run);
     for d in &round.decisions {
         println!("{}", serde_json::to_string(d)?);
     }

@@ -262,6 +262,18 @@ impl Metrics {
         }
     }
 
+    /// Every decision of a reclaim round, by policy and result.
+    pub fn observe_round(&self, round: &crate::reclaim::exec::RoundResult) {
+        for d in &round.decisions {
+            self.reclaims
+                .get_or_create(&ReclaimLabels {
+                    policy: d.policy.clone(),
+                    result: d.result.as_str().to_string(),
+                })
+                .inc();
+        }
+    }
+
     pub fn webhook_sent(&self, ok: bool) {
         self.webhook_sends
             .get_or_create(&ResultLabels {

@@ -11,59 +11,89 @@ use serde_json::{json, Value};
 use tokio::sync::Notify;
 
 use crate::{
-    alert::{Alert, Status},
+    alert::rfc3339,
     config::{AlertsConfig, WebhookConfig, WebhookFormat},
     metrics::Metrics,
+    notify::{Alert, Notification, Reclaimed, Status},
 };
 
-/// Body for one alert in the given format.
-pub fn body(alert: &Alert, format: WebhookFormat, repeat: Duration) -> Value {
-    match format {
-        WebhookFormat::Json => serde_json::to_value(alert).unwrap_or(Value::Null),
-        WebhookFormat::Alertmanager => {
-            let f = &alert.finding;
-            let mut labels = json!({
-                "alertname": f.kind.as_str(),
-                "fingerprint": f.fingerprint,
-                "host": alert.host,
-                "service": "connreap",
-            });
-            if let Some(p) = f.service_port {
-                labels["service_port"] = json!(p.to_string());
-            }
-            if let Some(q) = &f.quota {
-                labels["quota"] = json!(q.name);
-            }
-            if let Some(v) = &f.verdict {
-                labels["verdict"] = json!(v);
-            }
-            // A firing alert is valid for two repeat intervals unless re-sent, so a dead agent's
-            // alerts expire instead of firing forever; resolved alerts end now.
-            let ends_at = match (&alert.status, &alert.ended_at) {
-                (Status::Resolved, Some(end)) => end.clone(),
-                _ => crate::alert::rfc3339(
-                    chrono::Utc::now()
-                        + chrono::Duration::from_std(repeat * 2)
-                            .unwrap_or(chrono::Duration::hours(2)),
-                ),
-            };
-            json!([{
-                "labels": labels,
-                "annotations": {
-                    "summary": f.summary,
-                    "count": f.count.to_string(),
-                    "oldest_age_secs": f.oldest_age_secs.to_string(),
-                    "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
-                },
-                "startsAt": alert.started_at,
-                "endsAt": ends_at,
-            }])
-        }
+/// Body of one notification in the given format.
+pub fn body(n: &Notification, format: WebhookFormat, repeat: Duration) -> Value {
+    match (n, format) {
+        (n, WebhookFormat::Json) => serde_json::to_value(n).unwrap_or(Value::Null),
+        (Notification::Reclaimed(r), WebhookFormat::Alertmanager) => reclaimed_alertmanager(r),
+        (
+            Notification::Fired(a) | Notification::Updated(a) | Notification::Resolved(a),
+            WebhookFormat::Alertmanager,
+        ) => alert_alertmanager(a, repeat),
     }
 }
 
+fn alert_alertmanager(alert: &Alert, repeat: Duration) -> Value {
+    let f = &alert.finding;
+    let mut labels = json!({
+        "alertname": f.kind.as_str(),
+        "fingerprint": f.fingerprint,
+        "host": alert.host,
+        "service": "connreap",
+    });
+    if let Some(p) = f.service_port {
+        labels["service_port"] = json!(p.to_string());
+    }
+    if let Some(q) = &f.quota {
+        labels["quota"] = json!(q.name);
+    }
+    if let Some(v) = &f.verdict {
+        labels["verdict"] = json!(v);
+    }
+    // A firing alert is valid for two repeat intervals unless re-sent, so a dead agent's
+    // alerts expire instead of firing forever; resolved alerts end now.
+    let ends_at = match (alert.status, alert.ended_at) {
+        (Status::Resolved, Some(end)) => rfc3339(end),
+        _ => rfc3339(
+            chrono::Utc::now()
+                + chrono::Duration::from_std(repeat * 2).unwrap_or(chrono::Duration::hours(2)),
+        ),
+    };
+    json!([{
+        "labels": labels,
+        "annotations": {
+            "summary": f.summary,
+            "count": f.count.to_string(),
+            "oldest_age_secs": f.oldest_age_secs.to_string(),
+            "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
+        },
+        "startsAt": rfc3339(alert.started_at),
+        "endsAt": ends_at,
+    }])
+}
+
+/// A reclaim round as an Alertmanager alert that starts and ends at once.
+fn reclaimed_alertmanager(r: &Reclaimed) -> Value {
+    let at = rfc3339(r.time);
+    json!([{
+        "labels": {
+            "alertname": r.kind,
+            "host": r.host,
+            "policy": r.policy,
+            "service": "connreap",
+        },
+        "annotations": { "summary": r.summary },
+        "startsAt": at,
+        "endsAt": at,
+    }])
+}
+
+/// A rendered notification waiting for its receiver.
+#[derive(Clone, PartialEq)]
+struct Item {
+    body: Value,
+    /// What log lines name it by (fingerprint or policy).
+    key: String,
+}
+
 struct Queue {
-    items: Mutex<VecDeque<Value>>,
+    items: Mutex<VecDeque<Item>>,
     notify: Notify,
     capacity: usize,
 }
@@ -107,54 +137,35 @@ impl Webhooks {
         }
     }
 
-    pub fn send(&self, alert: &Alert) {
-        self.enqueue(|format| body(alert, format, self.repeat));
-    }
-
-    /// A one-off event (e.g. `reclaimed`): sent as is to JSON receivers, as an alert that
-    /// starts and ends now to Alertmanager.
-    pub fn send_event(&self, event: &Value) {
-        self.enqueue(|format| match format {
-            WebhookFormat::Json => event.clone(),
-            WebhookFormat::Alertmanager => {
-                let now = crate::alert::rfc3339(chrono::Utc::now());
-                json!([{
-                    "labels": {
-                        "alertname": event.get("kind").cloned().unwrap_or(json!("event")),
-                        "host": event.get("host").cloned().unwrap_or_default(),
-                        "policy": event.get("policy").cloned().unwrap_or_default(),
-                        "service": "connreap",
-                    },
-                    "annotations": { "summary": event.get("summary").cloned().unwrap_or_default() },
-                    "startsAt": now,
-                    "endsAt": now,
-                }])
-            }
-        });
-    }
-
-    fn enqueue(&self, make: impl Fn(WebhookFormat) -> Value) {
+    /// Queue `n` for every receiver.
+    pub fn send(&self, n: &Notification) {
         for (cfg, q) in &self.receivers {
-            let value = make(cfg.format);
-            let dropped = {
-                let mut items = q.items.lock().unwrap_or_else(|e| e.into_inner());
-                items.push_back(value);
-                if items.len() > q.capacity {
-                    items.pop_front()
-                } else {
-                    None
-                }
+            let item = Item {
+                body: body(n, cfg.format, self.repeat),
+                key: n.key().to_string(),
             };
-            if let Some(d) = dropped {
-                let fingerprint = d.get("fingerprint").cloned().unwrap_or_default();
-                tracing::error!(url = %cfg.url, capacity = q.capacity, dropped = %fingerprint,
-                    "webhook queue full: dropped the oldest notification");
-                if let Some(m) = &self.metrics {
-                    m.webhook_dropped.inc();
-                }
-            }
-            q.notify.notify_one();
+            self.enqueue(cfg, q, item);
         }
+    }
+
+    fn enqueue(&self, cfg: &WebhookConfig, q: &Queue, item: Item) {
+        let dropped = {
+            let mut items = q.items.lock().unwrap_or_else(|e| e.into_inner());
+            items.push_back(item);
+            if items.len() > q.capacity {
+                items.pop_front()
+            } else {
+                None
+            }
+        };
+        if let Some(d) = dropped {
+            tracing::error!(url = %cfg.url, capacity = q.capacity, dropped = %d.key,
+                "webhook queue full: dropped the oldest notification");
+            if let Some(m) = &self.metrics {
+                m.webhook_dropped.inc();
+            }
+        }
+        q.notify.notify_one();
     }
 
     pub fn queued(&self) -> usize {
@@ -179,7 +190,7 @@ async fn deliver(
             q.notify.notified().await;
             continue;
         };
-        let result = client.post(&url).json(&item).send().await;
+        let result = client.post(&url).json(&item.body).send().await;
         match result {
             Ok(resp) if resp.status().is_success() => {
                 metrics.webhook_sent(true);
@@ -208,7 +219,7 @@ async fn deliver(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{alert::Alert, detect::Kind};
+    use crate::detect::Kind;
 
     #[test]
     fn alertmanager_body_has_labels_and_times() {
@@ -219,9 +230,10 @@ mod tests {
             finding: f,
             status: Status::Resolved,
             host: "relay-1".into(),
-            started_at: "2026-12-02T10:00:00Z".into(),
-            ended_at: Some("2026-12-02T10:05:00Z".into()),
+            started_at: "2026-12-02T10:00:00Z".parse().unwrap(),
+            ended_at: Some("2026-12-02T10:05:00Z".parse().unwrap()),
         };
+        let a = Notification::Resolved(a);
         let b = body(&a, WebhookFormat::Alertmanager, Duration::from_secs(3600));
         let first = &b[0];
         assert_eq!(first["labels"]["alertname"], "quota_exhausted_by_leak");

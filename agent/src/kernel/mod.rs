@@ -14,6 +14,7 @@ mod host;
 mod hz;
 mod memory;
 pub mod offsets;
+pub mod ring;
 
 pub use host::unpin_all;
 use host::{ensure_mounted, load_lock, pin_error, prepare_pin_dir, raise_memlock};

@@ -7,9 +7,10 @@ use std::{
     path::PathBuf,
 };
 
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use super::{armed, decision, mode_name, old_enough, plan, selected, Decision, Outcome};
+use super::{armed, decision, old_enough, plan, selected, Decision, Mode, Outcome};
 use crate::{
     config::{Config, DestroyMechanism, PolicyConfig, PolicyMode},
     detect::QuotaRef,
@@ -24,10 +25,10 @@ use crate::{
 
 const RECENT: usize = 1000;
 
-#[derive(Debug, Default, Serialize)]
+#[derive(Debug, Serialize)]
 pub struct RoundResult {
     pub policy: String,
-    pub mode: String,
+    pub mode: Mode,
     /// Why the policy did nothing this round (not armed, waiting for a fresh reading...).
     pub note: Option<String>,
     pub quota: Option<QuotaRef>,
@@ -41,6 +42,20 @@ impl RoundResult {
             .filter(|d| d.result == Outcome::Killed)
             .count()
     }
+}
+
+/// A destroy mechanism's own error (netlink or the BPF fallback), kept as the source.
+type Cause = Box<dyn std::error::Error + Send + Sync>;
+
+/// Why no destroy mechanism could be set up.
+#[derive(Debug, thiserror::Error)]
+pub enum MechanismError {
+    #[error("{0}")]
+    Netlink(#[source] Cause),
+    #[error("bpf_sock_destroy fallback: {0}")]
+    Bpf(#[source] Cause),
+    #[error("{netlink}; bpf_sock_destroy fallback: {fallback}")]
+    Neither { netlink: Cause, fallback: Cause },
 }
 
 /// How a socket gets destroyed.
@@ -64,38 +79,46 @@ impl Destroyer {
         wanted: DestroyMechanism,
         kernel: &Kernel,
         verbose: bool,
-    ) -> Result<Destroyer, String> {
-        let bpf = || -> Result<Destroyer, String> {
-            let mut d = kernel
-                .destroyer(verbose)
-                .map_err(|e| format!("bpf_sock_destroy fallback: {e}"))?;
-            d.probe()
-                .map_err(|e| format!("bpf_sock_destroy fallback: {e}"))?;
+    ) -> Result<Destroyer, MechanismError> {
+        let bpf = || -> Result<Destroyer, Cause> {
+            let mut d = kernel.destroyer(verbose)?;
+            d.probe()?;
             Ok(Destroyer::Bpf(d))
         };
         match wanted {
-            DestroyMechanism::Netlink => diag::probe().map(|_| Destroyer::Netlink),
-            DestroyMechanism::BpfIter => bpf(),
+            DestroyMechanism::Netlink => diag::probe()
+                .map(|_| Destroyer::Netlink)
+                .map_err(|e| MechanismError::Netlink(e.into())),
+            DestroyMechanism::BpfIter => bpf().map_err(MechanismError::Bpf),
             DestroyMechanism::Auto => match diag::probe() {
                 Ok(_) => Ok(Destroyer::Netlink),
                 Err(netlink) => {
                     tracing::warn!(reason = %netlink, "netlink socket destroy unavailable; trying the bpf_sock_destroy fallback");
-                    bpf().map_err(|fallback| format!("{netlink}; {fallback}"))
+                    let netlink: Cause = netlink.into();
+                    bpf().map_err(|fallback| MechanismError::Neither { netlink, fallback })
                 }
             },
         }
     }
 }
 
+/// What a round may do once its policy is armed.
+struct Armed {
+    mode: Mode,
+    quota: Option<QuotaRef>,
+    /// When the quota reading the round acts on was taken (quota-triggered policies).
+    reading: Option<DateTime<Utc>>,
+}
+
 pub struct Reclaimer {
     /// The destroy mechanism, or why there is none.
-    pub mechanism: Result<Destroyer, String>,
+    mechanism: Result<Destroyer, MechanismError>,
     audit_path: PathBuf,
     recent: VecDeque<Decision>,
-    /// Per policy: when its last killing round ended (RFC 3339 UTC, ms). A quota-triggered
-    /// policy acts again only on a reading whose poll was sent after that, so it never acts
-    /// twice on counts that do not include its own kills.
-    acted_on: HashMap<String, String>,
+    /// Per policy: when its last killing round ended. A quota-triggered policy acts again only
+    /// on a reading whose poll was sent after that, so it never acts twice on counts that do
+    /// not include its own kills.
+    acted_on: HashMap<String, DateTime<Utc>>,
     rounds: u64,
 }
 
@@ -118,13 +141,19 @@ impl Reclaimer {
         }
     }
 
-    pub fn mechanism_name(&self) -> &str {
+    pub fn mechanism_name(&self) -> &'static str {
         match &self.mechanism {
             Ok(m) => m.name(),
             Err(_) => "none",
         }
     }
 
+    /// Rounds that decided anything so far.
+    pub fn rounds(&self) -> u64 {
+        self.rounds
+    }
+
+    /// The most recent decisions, oldest first.
     pub fn recent(&self) -> Vec<Decision> {
         self.recent.iter().cloned().collect()
     }
@@ -143,7 +172,8 @@ impl Reclaimer {
         f.flush()
     }
 
-    /// Run one round of `policy` against `table`. `force_dry_run` for `--dry-run` requests.
+    /// Run one round of `policy` against `table`: arm, plan, re-check and kill, record.
+    /// `force_dry_run` for `--dry-run` requests.
     pub fn round(
         &mut self,
         p: &PolicyConfig,
@@ -153,115 +183,137 @@ impl Reclaimer {
         quotas: &[QuotaStatus],
         force_dry_run: bool,
     ) -> RoundResult {
-        let mut res = RoundResult {
-            policy: p.name.clone(),
-            ..Default::default()
-        };
-        let quota = match armed(p, quotas, cfg.detect.quota_saturation) {
-            Ok(q) => q,
-            Err(why) => {
-                res.mode = mode_name(p.mode).into();
-                res.note = Some(why);
-                return res;
+        let armed = match self.arm(p, cfg, quotas, force_dry_run) {
+            Ok(a) => a,
+            Err((mode, why)) => {
+                return RoundResult {
+                    policy: p.name.clone(),
+                    mode,
+                    note: Some(why),
+                    quota: None,
+                    decisions: Vec::new(),
+                }
             }
         };
+        let planned = plan(p, &cfg.reclaim, std::process::id(), table);
+        let mut decisions: Vec<Decision> = planned
+            .skipped
+            .iter()
+            .map(|(s, why)| {
+                let why = Some(why.clone());
+                decision(p, &armed.mode, s, &armed.quota, Outcome::Skipped, why)
+            })
+            .collect();
+        decisions.extend(self.execute(p, &armed, scanner, &planned.targets));
+        self.record(p, armed, decisions)
+    }
+
+    /// Whether the policy acts this round, and in which mode; Err: the mode and why it does
+    /// nothing.
+    fn arm(
+        &self,
+        p: &PolicyConfig,
+        cfg: &Config,
+        quotas: &[QuotaStatus],
+        force_dry_run: bool,
+    ) -> Result<Armed, (Mode, String)> {
+        let mut mode = Mode::of(p.mode, force_dry_run);
+        let quota =
+            armed(p, quotas, cfg.detect.quota_saturation).map_err(|why| (mode.clone(), why))?;
         let reading = quotas
             .iter()
             .find(|q| Some(&q.name) == p.quota.as_ref())
-            .and_then(|q| q.last_poll.clone());
-        let mut mode = mode_name(p.mode).to_string();
-        let mut enforce = p.mode == PolicyMode::Enforce && !force_dry_run;
-        if force_dry_run && p.mode == PolicyMode::Enforce {
-            mode = "dry-run (requested)".into();
-        }
-        if enforce {
+            .and_then(|q| q.last_poll.as_deref())
+            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
+            .map(|t| t.with_timezone(&Utc));
+        if mode.enforces() {
             if let Err(why) = &self.mechanism {
-                enforce = false;
-                mode = format!("dry-run (enforce requested, but no destroy mechanism: {why})");
+                mode = Mode::NoMechanism(why.to_string());
             } else if let Err(e) = open_audit(&self.audit_path) {
-                enforce = false;
-                mode = format!(
-                    "dry-run (enforce requested, but the audit log {} is not writable: {e})",
-                    self.audit_path.display()
-                );
-            } else if reading.is_some()
-                && self
-                    .acted_on
-                    .get(&p.name)
-                    .is_some_and(|t| reading.as_ref() <= Some(t))
-            {
-                res.mode = mode;
-                res.note =
-                    Some("waiting for a quota reading taken after the last round's kills".into());
-                return res;
+                mode = Mode::AuditUnwritable {
+                    path: self.audit_path.display().to_string(),
+                    error: e.to_string(),
+                };
+            } else if reading.is_some_and(|r| self.acted_on.get(&p.name).is_some_and(|t| r <= *t)) {
+                let why = "waiting for a quota reading taken after the last round's kills";
+                return Err((mode, why.into()));
             }
         }
-        res.mode = mode.clone();
-        res.quota = quota.clone();
-        let own = std::process::id();
-        let planned = plan(p, &cfg.reclaim, own, table);
-        for (s, why) in &planned.skipped {
-            res.decisions.push(decision(
-                p,
-                &mode,
-                s,
-                &quota,
-                Outcome::Skipped,
-                Some(why.clone()),
-            ));
-        }
-        if !enforce {
-            for s in &planned.targets {
-                res.decisions
-                    .push(decision(p, &mode, s, &quota, Outcome::WouldKill, None));
+        Ok(Armed {
+            mode,
+            quota,
+            reading,
+        })
+    }
+
+    /// Would-kill decisions in dry-run; in enforce, re-read the table right before killing and
+    /// destroy the targets that still qualify (same socket by address and inode, same owner,
+    /// still selected and still idle enough).
+    fn execute(
+        &mut self,
+        p: &PolicyConfig,
+        armed: &Armed,
+        scanner: &mut Scanner,
+        targets: &[&Socket],
+    ) -> Vec<Decision> {
+        let (mode, quota) = (&armed.mode, &armed.quota);
+        let destroyer = match self.mechanism.as_mut() {
+            Ok(d) if mode.enforces() && !targets.is_empty() => d,
+            _ => {
+                return targets
+                    .iter()
+                    .map(|s| decision(p, mode, s, quota, Outcome::WouldKill, None))
+                    .collect()
             }
-        } else if !planned.targets.is_empty() {
-            // Re-read the table right before killing: same socket (address and inode), same
-            // owner, still selected and still idle enough.
-            match scanner.scan() {
-                Err(e) => {
-                    for s in &planned.targets {
-                        res.decisions.push(decision(
-                            p,
-                            &mode,
-                            s,
-                            &quota,
-                            Outcome::Failed,
-                            Some(format!("re-check scan failed: {e}")),
-                        ));
-                    }
+        };
+        let fresh = match scanner.scan() {
+            Ok(fresh) => fresh,
+            Err(e) => {
+                let why = format!("re-check scan failed: {e}");
+                return targets
+                    .iter()
+                    .map(|s| decision(p, mode, s, quota, Outcome::Failed, Some(why.clone())))
+                    .collect();
+            }
+        };
+        let now: HashMap<(u64, u64), &Socket> =
+            fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
+        let outcomes = kill_all(p, destroyer, targets, &now);
+        let decisions: Vec<Decision> = targets
+            .iter()
+            .zip(outcomes)
+            .map(|(s, (outcome, why, cookie))| {
+                let mut d = decision(p, mode, s, quota, outcome, why);
+                if let Some(c) = cookie {
+                    // The cookie the kill went by (the table's may still be 0).
+                    d.cookie = Some(format!("{c:#x}"));
                 }
-                Ok(fresh) => {
-                    let now: HashMap<(u64, u64), &Socket> =
-                        fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
-                    let outcomes = match self.mechanism.as_mut() {
-                        Ok(destroyer) => kill_all(p, destroyer, &planned.targets, &now),
-                        Err(_) => Vec::new(),
-                    };
-                    for (s, (outcome, why, cookie)) in planned.targets.iter().zip(outcomes) {
-                        let mut d = decision(p, &mode, s, &quota, outcome, why);
-                        if let Some(c) = cookie {
-                            // The cookie the kill went by (the table's may still be 0).
-                            d.cookie = Some(format!("{c:#x}"));
-                        }
-                        res.decisions.push(d);
-                    }
-                }
-            }
-            if res.killed() > 0 && reading.is_some() {
-                let done = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
-                self.acted_on.insert(p.name.clone(), done);
-            }
+                d
+            })
+            .collect();
+        if decisions.iter().any(|d| d.result == Outcome::Killed) && armed.reading.is_some() {
+            self.acted_on.insert(p.name.clone(), Utc::now());
         }
-        if !res.decisions.is_empty() {
+        decisions
+    }
+
+    /// Number the round, append its decisions to the audit log, log them and keep them for
+    /// GET /v1/reclaims.
+    fn record(
+        &mut self,
+        p: &PolicyConfig,
+        armed: Armed,
+        mut decisions: Vec<Decision>,
+    ) -> RoundResult {
+        if !decisions.is_empty() {
             self.rounds += 1;
-            for d in &mut res.decisions {
+            for d in &mut decisions {
                 d.round = self.rounds;
             }
-            if let Err(e) = self.audit(&res.decisions) {
+            if let Err(e) = self.audit(&decisions) {
                 tracing::error!(path = %self.audit_path.display(), error = %e, "cannot append to the audit log");
             }
-            for d in &res.decisions {
+            for d in &decisions {
                 tracing::info!(policy = %d.policy, mode = %d.mode, result = ?d.result, reason = d.reason.as_deref().unwrap_or(""),
                     local = %d.local, peer = %d.peer, pid = ?d.pid, comm = %d.comm, "reclaim decision");
                 self.recent.push_back(d.clone());
@@ -270,7 +322,13 @@ impl Reclaimer {
                 self.recent.pop_front();
             }
         }
-        res
+        RoundResult {
+            policy: p.name.clone(),
+            mode: armed.mode,
+            note: None,
+            quota: armed.quota,
+            decisions,
+        }
     }
 }
 

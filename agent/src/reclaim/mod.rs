@@ -4,6 +4,7 @@ pub mod exec;
 
 use std::time::Duration;
 
+use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::{
@@ -136,12 +137,25 @@ pub enum Outcome {
     Failed,
 }
 
+impl Outcome {
+    /// The name in audit lines and metric labels.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Outcome::WouldKill => "would-kill",
+            Outcome::Killed => "killed",
+            Outcome::Skipped => "skipped",
+            Outcome::Failed => "failed",
+        }
+    }
+}
+
 /// One decision: a line of the audit log and an entry of GET /v1/reclaims.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Decision {
-    pub time: String,
+    #[serde(serialize_with = "crate::alert::ser_rfc3339")]
+    pub time: DateTime<Utc>,
     pub policy: String,
-    pub mode: String,
+    pub mode: Mode,
     pub result: Outcome,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
@@ -165,7 +179,7 @@ pub struct Decision {
 
 pub fn decision(
     p: &PolicyConfig,
-    mode: &str,
+    mode: &Mode,
     s: &Socket,
     quota: &Option<QuotaRef>,
     result: Outcome,
@@ -173,9 +187,9 @@ pub fn decision(
 ) -> Decision {
     let secs = |d: Duration| (d.as_secs_f64() * 1000.0).round() / 1000.0;
     Decision {
-        time: crate::alert::rfc3339(chrono::Utc::now()),
+        time: Utc::now(),
         policy: p.name.clone(),
-        mode: mode.to_string(),
+        mode: mode.clone(),
         result,
         reason,
         local: s.local.to_string(),
@@ -195,10 +209,59 @@ pub fn decision(
     }
 }
 
-pub fn mode_name(m: PolicyMode) -> &'static str {
-    match m {
-        PolicyMode::DryRun => "dry-run",
-        PolicyMode::Enforce => "enforce",
+/// The mode a round runs in: the policy's own, or dry-run and why.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Mode {
+    Enforce,
+    DryRun,
+    /// An enforce policy run with `--dry-run` / `"dry_run": true`.
+    DryRunRequested,
+    /// An enforce policy, but no destroy mechanism works here.
+    NoMechanism(String),
+    /// An enforce policy, but its audit line cannot be written.
+    AuditUnwritable {
+        path: String,
+        error: String,
+    },
+}
+
+impl Mode {
+    /// The mode a policy asks for, before anything can turn it into a dry run.
+    pub fn of(p: PolicyMode, requested_dry_run: bool) -> Mode {
+        match (p, requested_dry_run) {
+            (PolicyMode::DryRun, _) => Mode::DryRun,
+            (PolicyMode::Enforce, true) => Mode::DryRunRequested,
+            (PolicyMode::Enforce, false) => Mode::Enforce,
+        }
+    }
+
+    /// Whether this round closes sockets.
+    pub fn enforces(&self) -> bool {
+        *self == Mode::Enforce
+    }
+}
+
+impl std::fmt::Display for Mode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Mode::Enforce => f.write_str("enforce"),
+            Mode::DryRun => f.write_str("dry-run"),
+            Mode::DryRunRequested => f.write_str("dry-run (requested)"),
+            Mode::NoMechanism(why) => write!(
+                f,
+                "dry-run (enforce requested, but no destroy mechanism: {why})"
+            ),
+            Mode::AuditUnwritable { path, error } => write!(
+                f,
+                "dry-run (enforce requested, but the audit log {path} is not writable: {error})"
+            ),
+        }
+    }
+}
+
+impl Serialize for Mode {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_str(self)
     }
 }
 

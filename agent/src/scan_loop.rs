@@ -1,0 +1,180 @@
+//! The daemon's scan loop: every `scan_interval`, a scan (through the engine), quota readings,
+//! the detectors, alert notifications, reclaim rounds, then what the API serves.
+use std::{
+    sync::Arc,
+    time::{Duration, Instant},
+};
+
+use tokio::sync::{mpsc, watch};
+
+use crate::{
+    alert::Tracker,
+    api::{Published, TableView},
+    config::Config,
+    detect::{self, ConnKey, Memory, StormTracker},
+    engine::{Engine, ScanOutput},
+    kernel::ring::OpenKey,
+    metrics::Metrics,
+    poller::QuotaFeeds,
+    quota::{self, QuotaStatus},
+    table::Socket,
+    webhook::Webhooks,
+};
+
+pub struct ScanLoop {
+    pub cfg: Config,
+    pub host: String,
+    pub engine: Engine,
+    pub quotas: QuotaFeeds,
+    /// Active opens from the ring reader, per drain.
+    pub opens: mpsc::UnboundedReceiver<Vec<(OpenKey, u64)>>,
+    pub published: watch::Sender<Published>,
+    pub metrics: Arc<Metrics>,
+    pub webhooks: Webhooks,
+}
+
+/// State carried from one scan to the next.
+struct Carry {
+    alerts: Tracker,
+    memory: Memory,
+    storm: StormTracker,
+    window_start: Instant,
+}
+
+impl ScanLoop {
+    pub async fn run(mut self) {
+        let mut ticker = tokio::time::interval(self.cfg.agent.scan_interval);
+        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut carry = Carry {
+            alerts: Tracker::new(self.host.clone(), self.cfg.alerts.repeat_interval),
+            memory: Memory::default(),
+            storm: StormTracker::default(),
+            window_start: Instant::now(),
+        };
+        let mut watchdog_usec = 0u64;
+        let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec);
+        loop {
+            ticker.tick().await;
+            let t0 = Instant::now();
+            let ok = self.once(&mut carry, t0).await;
+            self.metrics
+                .scan_duration
+                .observe(t0.elapsed().as_secs_f64());
+            if ok && self.published.borrow().scans == 1 {
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+                tracing::info!(
+                    scan_ms = t0.elapsed().as_millis() as u64,
+                    "first scan done; ready"
+                );
+            }
+            if watchdog {
+                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+            }
+        }
+    }
+
+    /// One scan and everything that follows from it; false if the scan failed.
+    async fn once(&mut self, carry: &mut Carry, t0: Instant) -> bool {
+        // Free the published table before building the next one: two tables would double the
+        // daemon's memory at 100k sockets. GET /v1/sockets waits for the new one.
+        self.published.send_modify(|p| p.table = TableView::Pending);
+        let ScanOutput {
+            table,
+            counters,
+            programs,
+        } = match self.engine.scan().await {
+            Ok(out) => out,
+            Err(e) => {
+                self.metrics.scan_errors.inc();
+                tracing::error!(error = %e, "scan failed");
+                let e = e.to_string();
+                self.published.send_modify(|p| {
+                    p.table = TableView::Failed(e.clone());
+                    p.last_scan_error = Some(e);
+                });
+                return false;
+            }
+        };
+        let quotas = Arc::new(self.quotas(&table));
+        self.feed_storm(&mut carry.storm, t0.duration_since(carry.window_start));
+        carry.window_start = t0;
+        let findings = detect::run(
+            &detect::Input {
+                table: &table,
+                cfg: &self.cfg.detect,
+                quota_cfgs: &self.cfg.quota,
+                quotas: &quotas,
+                storm: &carry.storm,
+            },
+            &mut carry.memory,
+        );
+        self.metrics.observe_table(&table);
+        self.metrics.observe_findings(&findings);
+        self.metrics.observe_kernel(counters);
+        self.metrics.observe_programs(&programs);
+        let update = carry
+            .alerts
+            .update(findings, Instant::now(), chrono::Utc::now());
+        for n in &update.notify {
+            self.webhooks.send(n);
+        }
+        let table = match self.engine.rounds(table, quotas.clone()).await {
+            Ok((table, _rounds)) => table,
+            Err(e) => {
+                tracing::error!(error = %e, "reclaim rounds failed");
+                Vec::new()
+            }
+        };
+        let queued = self.webhooks.queued();
+        self.published.send_modify(|p| {
+            p.sockets = table.len();
+            p.table = TableView::Ready(Arc::new(table));
+            p.alerts = Arc::new(update.current);
+            p.quotas = quotas;
+            p.last_scan = Some(Instant::now());
+            p.last_scan_error = None;
+            p.scans += 1;
+            p.webhook_queued = queued;
+        });
+        true
+    }
+
+    /// Active opens since the last scan into the storm tracker, and close its window.
+    fn feed_storm(&mut self, storm: &mut StormTracker, window: Duration) {
+        while let Ok(opens) = self.opens.try_recv() {
+            for (k, n) in opens {
+                let key = ConnKey {
+                    pid: k.pid,
+                    comm: k.comm,
+                    port: k.port,
+                };
+                storm.record_connects(key, n);
+            }
+        }
+        storm.close_window(window, &self.cfg.detect);
+    }
+
+    /// Every quota source's reading: HTTP sources from their pollers, static ones counted from
+    /// `table`.
+    fn quotas(&self, table: &[Socket]) -> Vec<QuotaStatus> {
+        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        self.cfg
+            .quota
+            .iter()
+            .map(|q| {
+                if q.is_http() {
+                    self.quotas.latest(&q.name).unwrap_or_else(|| QuotaStatus {
+                        name: q.name.clone(),
+                        source: "http",
+                        url: q.url.clone(),
+                        last_poll: None,
+                        entries: vec![],
+                        error: None,
+                    })
+                } else {
+                    quota::static_status(q, table, &now)
+                }
+            })
+            .collect()
+    }
+}
