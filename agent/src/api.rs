@@ -101,8 +101,22 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     let age = p.last_scan.map(|t| t.elapsed());
     // Healthy once a scan has completed and scans keep completing.
     let healthy = age.is_some_and(|a| a <= interval * 3 + std::time::Duration::from_secs(5));
+    // Scans work, but something a user relies on does not: still 200 (restarting the agent
+    // would not help), with each problem named.
+    let mut problems: Vec<String> = Vec::new();
+    if let Some(e) = &st.engine.status.borrow().audit_error {
+        problems.push(format!(
+            "audit log not writable, enforce policies kill nothing: {e}"
+        ));
+    }
+    let status = match (healthy, problems.is_empty()) {
+        (false, _) => "unhealthy",
+        (true, true) => "ok",
+        (true, false) => "degraded",
+    };
     let body = json!({
-        "status": if healthy { "ok" } else { "unhealthy" },
+        "status": status,
+        "problems": problems,
         "scans": p.scans,
         "last_scan_age_secs": age.map(|a| a.as_secs_f64()),
         "last_scan_error": p.last_scan_error,
@@ -185,7 +199,7 @@ async fn quotas(State(st): State<Arc<AppState>>) -> Response {
 }
 
 async fn reclaims(State(st): State<Arc<AppState>>) -> Response {
-    let recent = st.engine.recent.borrow().clone();
+    let recent = st.engine.status.borrow().recent.clone();
     Json(json!({ "reclaims": *recent })).into_response()
 }
 

@@ -68,12 +68,15 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     // Scans and reclaim rounds: one owner, on its own thread.
     let core = {
         let cfg = cfg.clone();
-        tokio::task::spawn_blocking(move || Core::new(cfg, kernel, verbose)).await?
+        tokio::task::spawn_blocking(move || Core::new(cfg, kernel, verbose, "daemon")).await?
     };
     let engine = {
         let (metrics, webhooks, host) = (metrics.clone(), webhooks.clone(), host.clone());
         Engine::spawn(core, move |round| {
             metrics.observe_round(round);
+            if round.audit_error.is_some() {
+                metrics.audit_errors.inc();
+            }
             if let Some(r) = Reclaimed::from_round(&host, round, chrono::Utc::now()) {
                 webhooks.send(&Notification::Reclaimed(r));
             }

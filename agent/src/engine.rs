@@ -11,7 +11,7 @@ use crate::{
     kernel::{Counters, Kernel, KernelError, ProgramStats},
     quota::QuotaStatus,
     reclaim::{
-        exec::{Reclaimer, RoundResult},
+        exec::{Asker, Reclaimer, RoundResult},
         Decision,
     },
     scan::Scanner,
@@ -60,8 +60,9 @@ pub struct Core {
 }
 
 impl Core {
-    pub fn new(cfg: Config, kernel: Kernel, verbose: bool) -> Core {
-        let reclaimer = Reclaimer::new(&cfg, &kernel, verbose);
+    /// `role` ("daemon", "cli") names this process in the host's reclaim lock.
+    pub fn new(cfg: Config, kernel: Kernel, verbose: bool, role: &'static str) -> Core {
+        let reclaimer = Reclaimer::new(&cfg, &kernel, verbose, role);
         Core {
             scanner: Scanner::new(kernel),
             reclaimer,
@@ -85,9 +86,11 @@ impl Core {
         table: &[Socket],
         quotas: &[QuotaStatus],
         dry_run: bool,
+        asker: Asker,
     ) -> RoundResult {
+        let (cfg, scanner) = (&self.cfg, &mut self.scanner);
         self.reclaimer
-            .round(policy, &self.cfg, &mut self.scanner, table, quotas, dry_run)
+            .round(policy, cfg, scanner, table, quotas, dry_run, asker)
     }
 
     /// Answer one request; `report` sees every round run.
@@ -107,7 +110,7 @@ impl Core {
                 let rounds = policies
                     .iter()
                     .map(|p| {
-                        let round = self.round(p, &table, &quotas, false);
+                        let round = self.round(p, &table, &quotas, false, Asker::Scheduled);
                         report(&round);
                         round
                     })
@@ -121,7 +124,7 @@ impl Core {
                 reply,
             } => {
                 let result = self.scanner.scan().map(|table| {
-                    let round = self.round(&policy, &table, &quotas, dry_run);
+                    let round = self.round(&policy, &table, &quotas, dry_run, Asker::Extra);
                     report(&round);
                     round
                 });
@@ -131,14 +134,22 @@ impl Core {
     }
 }
 
+/// What the API shows of the reclaimer.
+#[derive(Clone, Default)]
+pub struct EngineStatus {
+    pub recent: Arc<Vec<Decision>>,
+    /// The last audit write error, until a write succeeds again.
+    pub audit_error: Option<String>,
+}
+
 /// Handle to the engine thread; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
     tx: mpsc::Sender<Request>,
     /// The destroy mechanism chosen at start ("none" if there is none).
     pub mechanism: &'static str,
-    /// Recent reclaim decisions, republished after every round that decided anything.
-    pub recent: watch::Receiver<Arc<Vec<Decision>>>,
+    /// Recent reclaim decisions and the audit log's state, republished after every round.
+    pub status: watch::Receiver<EngineStatus>,
 }
 
 impl Engine {
@@ -149,7 +160,7 @@ impl Engine {
         mut report: impl FnMut(&RoundResult) + Send + 'static,
     ) -> std::io::Result<Engine> {
         let (tx, mut rx) = mpsc::channel::<Request>(16);
-        let (recent_tx, recent) = watch::channel(Arc::new(Vec::new()));
+        let (status_tx, status) = watch::channel(EngineStatus::default());
         let mechanism = core.reclaimer.mechanism_name();
         std::thread::Builder::new()
             .name("connreap-engine".into())
@@ -157,15 +168,21 @@ impl Engine {
                 while let Some(req) = rx.blocking_recv() {
                     let rounds = core.reclaimer.rounds();
                     core.handle(req, &mut report);
-                    if core.reclaimer.rounds() != rounds {
-                        recent_tx.send_replace(Arc::new(core.reclaimer.recent()));
+                    let audit_error = core.reclaimer.audit_error.clone();
+                    if core.reclaimer.rounds() != rounds
+                        || status_tx.borrow().audit_error != audit_error
+                    {
+                        status_tx.send_replace(EngineStatus {
+                            recent: Arc::new(core.reclaimer.recent()),
+                            audit_error,
+                        });
                     }
                 }
             })?;
         Ok(Engine {
             tx,
             mechanism,
-            recent,
+            status,
         })
     }
 

@@ -130,12 +130,18 @@ fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode
     Ok(ExitCode::SUCCESS)
 }
 
+/// `connreap reclaim`: another connreap holds the host's reclaim lock (EX_TEMPFAIL).
+const EX_TEMPFAIL: u8 = 75;
+/// `connreap reclaim`: an enforce policy ran as a dry run (no destroy mechanism, audit log not
+/// writable): nothing was killed although the policy says enforce.
+const EX_ENFORCE_NOT_RUN: u8 = 3;
+
 fn reclaim_once(
     verbose: bool,
     cfg: &config::Config,
     name: &str,
     dry_run: bool,
-) -> anyhow::Result<()> {
+) -> anyhow::Result<ExitCode> {
     let Some(policy) = cfg.policy.iter().find(|p| p.name == name) else {
         let names: Vec<&str> = cfg.policy.iter().map(|p| p.name.as_str()).collect();
         anyhow::bail!(
@@ -143,7 +149,12 @@ fn reclaim_once(
             names.join(", ")
         );
     };
-    let mut core = engine::Core::new(cfg.clone(), kernel::Kernel::load(verbose)?, verbose);
+    let mut core = engine::Core::new(cfg.clone(), kernel::Kernel::load(verbose)?, verbose, "cli");
+    // One reclaimer per host: while a daemon holds the lock, its API is the way in.
+    if let Err(e) = core.reclaimer.acquire_lock() {
+        eprintln!("connreap: {e}; ask the running agent instead (POST /v1/reclaim)");
+        return Ok(ExitCode::from(EX_TEMPFAIL));
+    }
     let table = core.scanner.scan()?;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -162,7 +173,13 @@ fn reclaim_once(
             }
         })
         .collect();
-    let round = core.round(policy, &table, &quotas, dry_run);
+    let round = core.round(
+        policy,
+        &table,
+        &quotas,
+        dry_run,
+        reclaim::exec::Asker::Extra,
+    );
     for d in &round.decisions {
         println!("{}", serde_json::to_string(d)?);
     }
@@ -178,7 +195,18 @@ fn reclaim_once(
             .map(|n| format!("; {n}"))
             .unwrap_or_default()
     );
-    Ok(())
+    let enforce_refused = policy.mode == config::PolicyMode::Enforce
+        && !dry_run
+        && !round.mode.enforces()
+        && round.note.is_none();
+    if enforce_refused {
+        eprintln!(
+            "connreap: policy {} is enforce but ran as {}",
+            round.policy, round.mode
+        );
+        return Ok(ExitCode::from(EX_ENFORCE_NOT_RUN));
+    }
+    Ok(ExitCode::SUCCESS)
 }
 
 fn main() -> ExitCode {
@@ -204,7 +232,10 @@ fn main() -> ExitCode {
             dry_run,
             config,
         } => match config::load_default(config.as_deref()) {
-            Ok((cfg, _)) => reclaim_once(cli.verbose, &cfg, policy, *dry_run),
+            Ok((cfg, _)) => match reclaim_once(cli.verbose, &cfg, policy, *dry_run) {
+                Ok(code) => return code,
+                Err(e) => Err(e),
+            },
             Err(e) => {
                 eprintln!("connreap: invalid configuration: {e}");
                 return ExitCode::from(config::EX_CONFIG);

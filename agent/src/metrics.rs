@@ -66,6 +66,7 @@ pub struct Metrics {
     pub webhook_dropped: Counter,
     pub scan_duration: Histogram,
     pub scan_errors: Counter,
+    pub audit_errors: Counter,
     pub reclaims: Family<ReclaimLabels, Counter>,
     pub reclaim_mechanism: Family<MechanismLabels, Gauge>,
     program_run_ns: Family<ProgramLabels, Gauge>,
@@ -101,6 +102,7 @@ impl Metrics {
                 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
             ]),
             scan_errors: Counter::default(),
+            audit_errors: Counter::default(),
             reclaims: Family::default(),
             reclaim_mechanism: Family::default(),
             program_run_ns: Family::default(),
@@ -165,6 +167,11 @@ impl Metrics {
             m.scan_duration.clone(),
         );
         registry.register("scan_errors", "Scans that failed", m.scan_errors.clone());
+        registry.register(
+            "audit_write_errors",
+            "Reclaim rounds whose audit lines could not be written (enforce rounds then kill nothing)",
+            m.audit_errors.clone(),
+        );
         registry.register(
             "reclaims",
             "Reclaim decisions by policy and result",

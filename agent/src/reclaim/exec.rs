@@ -2,15 +2,20 @@
 //! destroy through netlink, and record every decision in the audit log.
 use std::{
     collections::{HashMap, VecDeque},
-    fs::{self, OpenOptions},
-    io::Write,
     path::PathBuf,
+    time::{Duration, Instant},
 };
 
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
-use super::{armed, decision, old_enough, plan, selected, Decision, Mode, Outcome};
+use super::{
+    armed,
+    audit::AuditLog,
+    decision,
+    lock::{LockError, ReclaimLock},
+    old_enough, plan, selected, Decision, Mode, Outcome,
+};
 use crate::{
     config::{Config, DestroyMechanism, PolicyConfig, PolicyMode},
     detect::QuotaRef,
@@ -24,6 +29,9 @@ use crate::{
 };
 
 const RECENT: usize = 1000;
+/// The audit log rotates past this size, keeping AUDIT_KEEP older files.
+const AUDIT_MAX_BYTES: u64 = 64 * 1024 * 1024;
+const AUDIT_KEEP: usize = 5;
 
 #[derive(Debug, Serialize)]
 pub struct RoundResult {
@@ -33,6 +41,9 @@ pub struct RoundResult {
     pub note: Option<String>,
     pub quota: Option<QuotaRef>,
     pub decisions: Vec<Decision>,
+    /// Why the round's audit lines could not be written, if they could not.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub audit_error: Option<String>,
 }
 
 impl RoundResult {
@@ -108,22 +119,42 @@ struct Armed {
     quota: Option<QuotaRef>,
     /// When the quota reading the round acts on was taken (quota-triggered policies).
     reading: Option<DateTime<Utc>>,
+    /// This round's number (agent_pid + round identify a round).
+    round: u64,
+    /// Kills this round may still make (max_per_round less what this interval already used).
+    budget: usize,
+}
+
+/// Who asked for a round: the scan loop's round for this interval, or an extra one (API, CLI).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Asker {
+    Scheduled,
+    Extra,
 }
 
 pub struct Reclaimer {
     /// The destroy mechanism, or why there is none.
     mechanism: Result<Destroyer, MechanismError>,
-    audit_path: PathBuf,
+    audit: AuditLog,
+    /// The host-wide reclaim lock, taken when an enforce round first needs it.
+    lock: Option<ReclaimLock>,
+    /// Role written into the lock file ("daemon" or "cli").
+    role: &'static str,
+    scan_interval: Duration,
     recent: VecDeque<Decision>,
     /// Per policy: when its last killing round ended. A quota-triggered policy acts again only
     /// on a reading whose poll was sent after that, so it never acts twice on counts that do
     /// not include its own kills.
     acted_on: HashMap<String, DateTime<Utc>>,
+    /// Per policy: recent kills and whether a scheduled round made them (the per-interval cap).
+    kills: HashMap<String, VecDeque<(Instant, Asker)>>,
+    /// The last audit write error (cleared by the next good write), for /healthz.
+    pub audit_error: Option<String>,
     rounds: u64,
 }
 
 impl Reclaimer {
-    pub fn new(cfg: &Config, kernel: &Kernel, verbose: bool) -> Self {
+    pub fn new(cfg: &Config, kernel: &Kernel, verbose: bool, role: &'static str) -> Self {
         let mechanism = Destroyer::choose(cfg.reclaim.mechanism, kernel, verbose);
         match &mechanism {
             Ok(m) => tracing::info!(mechanism = m.name(), "socket destroy works"),
@@ -134,9 +165,18 @@ impl Reclaimer {
         }
         Reclaimer {
             mechanism,
-            audit_path: PathBuf::from(&cfg.reclaim.audit_log),
+            audit: AuditLog::new(
+                PathBuf::from(&cfg.reclaim.audit_log),
+                AUDIT_MAX_BYTES,
+                AUDIT_KEEP,
+            ),
+            lock: None,
+            role,
+            scan_interval: cfg.agent.scan_interval,
             recent: VecDeque::new(),
             acted_on: HashMap::new(),
+            kills: HashMap::new(),
+            audit_error: None,
             rounds: 0,
         }
     }
@@ -146,6 +186,14 @@ impl Reclaimer {
             Ok(m) => m.name(),
             Err(_) => "none",
         }
+    }
+
+    /// Take the host-wide reclaim lock now (the one-shot CLI refuses to run without it).
+    pub fn acquire_lock(&mut self) -> Result<(), LockError> {
+        if self.lock.is_none() {
+            self.lock = Some(ReclaimLock::try_acquire(self.role)?);
+        }
+        Ok(())
     }
 
     /// Rounds that decided anything so far.
@@ -158,22 +206,9 @@ impl Reclaimer {
         self.recent.iter().cloned().collect()
     }
 
-    fn audit(&mut self, decisions: &[Decision]) -> std::io::Result<()> {
-        // One write(2) for the whole round: `writeln!` on a File issues the line and its
-        // newline separately, so another appender (`connreap reclaim`) or a crash could
-        // splice or truncate lines.
-        let mut buf = String::new();
-        for d in decisions {
-            buf.push_str(&serde_json::to_string(d).map_err(std::io::Error::other)?);
-            buf.push('\n');
-        }
-        let mut f = open_audit(&self.audit_path)?;
-        f.write_all(buf.as_bytes())?;
-        f.flush()
-    }
-
     /// Run one round of `policy` against `table`: arm, plan, re-check and kill, record.
     /// `force_dry_run` for `--dry-run` requests.
+    #[allow(clippy::too_many_arguments)]
     pub fn round(
         &mut self,
         p: &PolicyConfig,
@@ -182,8 +217,9 @@ impl Reclaimer {
         table: &[Socket],
         quotas: &[QuotaStatus],
         force_dry_run: bool,
+        asker: Asker,
     ) -> RoundResult {
-        let armed = match self.arm(p, cfg, quotas, force_dry_run) {
+        let armed = match self.arm(p, cfg, quotas, force_dry_run, asker) {
             Ok(a) => a,
             Err((mode, why)) => {
                 return RoundResult {
@@ -192,30 +228,62 @@ impl Reclaimer {
                     note: Some(why),
                     quota: None,
                     decisions: Vec::new(),
+                    audit_error: None,
                 }
             }
         };
-        let planned = plan(p, &cfg.reclaim, std::process::id(), table);
+        let mut planned = plan(p, &cfg.reclaim, std::process::id(), table);
         let mut decisions: Vec<Decision> = planned
             .skipped
             .iter()
             .map(|(s, why)| {
                 let why = Some(why.clone());
-                decision(p, &armed.mode, s, &armed.quota, Outcome::Skipped, why)
+                decision(
+                    p,
+                    &armed.mode,
+                    s,
+                    &armed.quota,
+                    Outcome::Skipped,
+                    why,
+                    armed.round,
+                )
             })
             .collect();
-        decisions.extend(self.execute(p, &armed, scanner, &planned.targets));
-        self.record(p, armed, decisions)
+        let mut note = None;
+        if armed.mode.enforces() && planned.targets.len() > armed.budget {
+            planned.targets.truncate(armed.budget);
+            note = Some(format!(
+                "max_per_round: {} kill(s) left in this scan interval",
+                armed.budget
+            ));
+        }
+        let (executed, audit_error) = self.execute(p, &armed, scanner, &planned.targets, asker);
+        decisions.extend(executed);
+        let mut armed = armed;
+        if let Some(e) = &audit_error {
+            // The kill intents could not be written: nothing was killed, say so everywhere.
+            armed.mode = Mode::AuditUnwritable(e.clone());
+            for d in &mut decisions {
+                d.mode = armed.mode.clone();
+            }
+        }
+        let mut res = self.record(p, armed, decisions);
+        res.note = note;
+        if audit_error.is_some() {
+            res.audit_error = audit_error;
+        }
+        res
     }
 
     /// Whether the policy acts this round, and in which mode; Err: the mode and why it does
     /// nothing.
     fn arm(
-        &self,
+        &mut self,
         p: &PolicyConfig,
         cfg: &Config,
         quotas: &[QuotaStatus],
         force_dry_run: bool,
+        asker: Asker,
     ) -> Result<Armed, (Mode, String)> {
         let mut mode = Mode::of(p.mode, force_dry_run);
         let quota =
@@ -229,11 +297,10 @@ impl Reclaimer {
         if mode.enforces() {
             if let Err(why) = &self.mechanism {
                 mode = Mode::NoMechanism(why.to_string());
-            } else if let Err(e) = open_audit(&self.audit_path) {
-                mode = Mode::AuditUnwritable {
-                    path: self.audit_path.display().to_string(),
-                    error: e.to_string(),
-                };
+            } else if let Err(e) = self.acquire_lock() {
+                mode = Mode::Locked(e.to_string());
+            } else if let Err(e) = self.audit.check() {
+                mode = Mode::AuditUnwritable(e.to_string());
             } else if reading.is_some_and(|r| self.acted_on.get(&p.name).is_some_and(|t| r <= *t)) {
                 let why = "waiting for a quota reading taken after the last round's kills";
                 return Err((mode, why.into()));
@@ -243,37 +310,71 @@ impl Reclaimer {
             mode,
             quota,
             reading,
+            round: self.rounds + 1,
+            budget: self.budget(p, asker),
         })
     }
 
-    /// Would-kill decisions in dry-run; in enforce, re-read the table right before killing and
-    /// destroy the targets that still qualify (same socket by address and inode, same owner,
-    /// still selected and still idle enough).
+    /// Kills `p` may still make now: max_per_round per scan interval, whoever asks. A
+    /// scheduled round does not count the previous scheduled round's kills (one interval ago).
+    fn budget(&mut self, p: &PolicyConfig, asker: Asker) -> usize {
+        let window = self.scan_interval;
+        let kills = self.kills.entry(p.name.clone()).or_default();
+        while kills.front().is_some_and(|(t, _)| t.elapsed() >= window) {
+            kills.pop_front();
+        }
+        let used = kills
+            .iter()
+            .filter(|(_, by)| asker == Asker::Extra || *by == Asker::Extra)
+            .count();
+        p.max_per_round.saturating_sub(used)
+    }
+
+    /// Would-kill decisions in dry-run. In enforce: write and fsync the kill intents first
+    /// (if that fails, nothing is killed and the round is a dry run that says why), re-read the
+    /// table right before killing and destroy the targets that still qualify (same socket by
+    /// address and inode, same owner, still selected and still idle enough).
     fn execute(
         &mut self,
         p: &PolicyConfig,
         armed: &Armed,
         scanner: &mut Scanner,
         targets: &[&Socket],
-    ) -> Vec<Decision> {
-        let (mode, quota) = (&armed.mode, &armed.quota);
-        let destroyer = match self.mechanism.as_mut() {
-            Ok(d) if mode.enforces() && !targets.is_empty() => d,
-            _ => {
-                return targets
-                    .iter()
-                    .map(|s| decision(p, mode, s, quota, Outcome::WouldKill, None))
-                    .collect()
-            }
+        asker: Asker,
+    ) -> (Vec<Decision>, Option<String>) {
+        let (quota, round) = (&armed.quota, armed.round);
+        let would_kill = |mode: &Mode| -> Vec<Decision> {
+            targets
+                .iter()
+                .map(|s| decision(p, mode, s, quota, Outcome::WouldKill, None, round))
+                .collect()
         };
+        if !armed.mode.enforces() || targets.is_empty() {
+            return (would_kill(&armed.mode), None);
+        }
+        let intents: Vec<Decision> = targets
+            .iter()
+            .map(|s| decision(p, &armed.mode, s, quota, Outcome::KillIntent, None, round))
+            .collect();
+        if let Err(e) = self.audit.append(&intents, true) {
+            let e = e.to_string();
+            tracing::error!(error = %e, "cannot write the kill intents durably: this round kills nothing");
+            self.audit_error = Some(e.clone());
+            return (would_kill(&Mode::AuditUnwritable(e.clone())), Some(e));
+        }
+        let Ok(destroyer) = self.mechanism.as_mut() else {
+            return (would_kill(&armed.mode), None);
+        };
+        let mode = &armed.mode;
         let fresh = match scanner.scan() {
             Ok(fresh) => fresh,
             Err(e) => {
                 let why = format!("re-check scan failed: {e}");
-                return targets
+                let failed = targets
                     .iter()
-                    .map(|s| decision(p, mode, s, quota, Outcome::Failed, Some(why.clone())))
+                    .map(|s| decision(p, mode, s, quota, Outcome::Failed, Some(why.clone()), round))
                     .collect();
+                return (failed, None);
             }
         };
         let now: HashMap<(u64, u64), &Socket> =
@@ -283,7 +384,7 @@ impl Reclaimer {
             .iter()
             .zip(outcomes)
             .map(|(s, (outcome, why, cookie))| {
-                let mut d = decision(p, mode, s, quota, outcome, why);
+                let mut d = decision(p, mode, s, quota, outcome, why, round);
                 if let Some(c) = cookie {
                     // The cookie the kill went by (the table's may still be 0).
                     d.cookie = Some(format!("{c:#x}"));
@@ -291,29 +392,38 @@ impl Reclaimer {
                 d
             })
             .collect();
-        if decisions.iter().any(|d| d.result == Outcome::Killed) && armed.reading.is_some() {
+        let killed = decisions
+            .iter()
+            .filter(|d| d.result == Outcome::Killed)
+            .count();
+        let kills = self.kills.entry(p.name.clone()).or_default();
+        kills.extend(std::iter::repeat_n((Instant::now(), asker), killed));
+        if killed > 0 && armed.reading.is_some() {
             self.acted_on.insert(p.name.clone(), Utc::now());
         }
-        decisions
+        (decisions, None)
     }
 
-    /// Number the round, append its decisions to the audit log, log them and keep them for
-    /// GET /v1/reclaims.
-    fn record(
-        &mut self,
-        p: &PolicyConfig,
-        armed: Armed,
-        mut decisions: Vec<Decision>,
-    ) -> RoundResult {
+    /// Number the round, append its decisions to the audit log (repeated skip/would-kill lines
+    /// once), log them and keep them for GET /v1/reclaims.
+    fn record(&mut self, p: &PolicyConfig, armed: Armed, decisions: Vec<Decision>) -> RoundResult {
+        let mut audit_error = None;
         if !decisions.is_empty() {
-            self.rounds += 1;
-            for d in &mut decisions {
-                d.round = self.rounds;
+            self.rounds = armed.round;
+            let fresh = self.audit.dedupe(&p.name, &decisions);
+            match self.audit.append(&fresh, true) {
+                Ok(()) => {
+                    if !fresh.is_empty() {
+                        self.audit_error = None;
+                    }
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "cannot append to the audit log");
+                    self.audit_error = Some(e.to_string());
+                    audit_error = Some(e.to_string());
+                }
             }
-            if let Err(e) = self.audit(&decisions) {
-                tracing::error!(path = %self.audit_path.display(), error = %e, "cannot append to the audit log");
-            }
-            for d in &decisions {
+            for d in &fresh {
                 tracing::info!(policy = %d.policy, mode = %d.mode, result = ?d.result, reason = d.reason.as_deref().unwrap_or(""),
                     local = %d.local, peer = %d.peer, pid = ?d.pid, comm = %d.comm, "reclaim decision");
                 self.recent.push_back(d.clone());
@@ -328,15 +438,9 @@ impl Reclaimer {
             note: None,
             quota: armed.quota,
             decisions,
+            audit_error,
         }
     }
-}
-
-fn open_audit(path: &PathBuf) -> std::io::Result<fs::File> {
-    if let Some(dir) = path.parent() {
-        fs::create_dir_all(dir)?;
-    }
-    OpenOptions::new().create(true).append(true).open(path)
 }
 
 /// sock_diag's cookie (two host-order u32, low word first) as the kernel's u64 socket cookie.

@@ -1,6 +1,8 @@
 //! Reclaim policies: which sockets a policy may close this round (pure), and the decisions
 //! that come out of a round. Execution (re-check, destroy, audit) lives in `exec`.
+pub mod audit;
 pub mod exec;
+pub mod lock;
 
 use std::time::Duration;
 
@@ -84,10 +86,14 @@ pub fn armed(
     if q.last_poll.is_none() {
         return Err(format!("quota {name} has no reading yet"));
     }
+    // Fill ratios in floating point: used * limit can overflow u64 on absurd readings (which
+    // the quota parser rejects, but this must not panic or wrap whatever it is given).
+    let fill = |e: &crate::quota::QuotaEntry| e.used as f64 / e.limit as f64;
     q.entries
         .iter()
-        .filter(|e| e.used as f64 >= saturation * e.limit as f64)
-        .max_by(|a, b| (a.used * b.limit).cmp(&(b.used * a.limit)))
+        .filter(|e| e.limit > 0 && e.used <= e.limit.saturating_mul(2))
+        .filter(|e| fill(e) >= saturation)
+        .max_by(|a, b| fill(a).total_cmp(&fill(b)))
         .map(|e| {
             Some(QuotaRef {
                 name: name.to_string(),
@@ -131,6 +137,8 @@ pub fn plan<'a>(
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Outcome {
+    /// Written (and fsynced) before a kill is attempted; the outcome line follows.
+    KillIntent,
     WouldKill,
     Killed,
     Skipped,
@@ -141,6 +149,7 @@ impl Outcome {
     /// The name in audit lines and metric labels.
     pub fn as_str(self) -> &'static str {
         match self {
+            Outcome::KillIntent => "kill-intent",
             Outcome::WouldKill => "would-kill",
             Outcome::Killed => "killed",
             Outcome::Skipped => "skipped",
@@ -184,6 +193,7 @@ pub fn decision(
     quota: &Option<QuotaRef>,
     result: Outcome,
     reason: Option<String>,
+    round: u64,
 ) -> Decision {
     let secs = |d: Duration| (d.as_secs_f64() * 1000.0).round() / 1000.0;
     Decision {
@@ -205,7 +215,7 @@ pub fn decision(
         idle_secs: s.idle.map(secs),
         quota: quota.clone(),
         agent_pid: std::process::id(),
-        round: 0,
+        round,
     }
 }
 
@@ -218,11 +228,10 @@ pub enum Mode {
     DryRunRequested,
     /// An enforce policy, but no destroy mechanism works here.
     NoMechanism(String),
-    /// An enforce policy, but its audit line cannot be written.
-    AuditUnwritable {
-        path: String,
-        error: String,
-    },
+    /// An enforce policy, but its audit lines cannot be written (the error names the file).
+    AuditUnwritable(String),
+    /// An enforce policy, but another connreap holds the host's reclaim lock.
+    Locked(String),
 }
 
 impl Mode {
@@ -251,10 +260,11 @@ impl std::fmt::Display for Mode {
                 f,
                 "dry-run (enforce requested, but no destroy mechanism: {why})"
             ),
-            Mode::AuditUnwritable { path, error } => write!(
+            Mode::AuditUnwritable(error) => write!(
                 f,
-                "dry-run (enforce requested, but the audit log {path} is not writable: {error})"
+                "dry-run (enforce requested, but the audit log is not writable: {error})"
             ),
+            Mode::Locked(why) => write!(f, "dry-run (enforce requested, but {why})"),
         }
     }
 }

@@ -1,0 +1,237 @@
+//! The audit log: one JSON line per decision, only ever appended to, rotated by size. Kill
+//! intents are written and fsynced before the kill (write-ahead), so a kill never happens
+//! without a durable line saying so.
+use std::{
+    collections::HashMap,
+    fs::{self, OpenOptions},
+    io::Write,
+    path::PathBuf,
+};
+
+use super::{Decision, Outcome};
+
+/// A socket as audit lines name it: local and peer address, inode.
+type SocketId = (String, String, u64);
+
+fn socket_id(d: &Decision) -> SocketId {
+    (d.local.clone(), d.peer.clone(), d.inode)
+}
+
+pub struct AuditLog {
+    path: PathBuf,
+    /// Rotate when the file would grow past this (0: never).
+    max_bytes: u64,
+    /// Rotated files kept (`audit.jsonl.1` newest ... `.N` oldest).
+    keep: usize,
+    /// The last skip/would-kill line written per (policy, socket): repeated ones are not
+    /// written again while nothing about them changes.
+    last: HashMap<(String, SocketId), (Outcome, Option<String>)>,
+}
+
+/// Why an audit write failed (the path is in the message).
+#[derive(Debug, thiserror::Error)]
+#[error("audit log {path}: {source}")]
+pub struct AuditError {
+    path: String,
+    #[source]
+    source: std::io::Error,
+}
+
+impl AuditLog {
+    pub fn new(path: PathBuf, max_bytes: u64, keep: usize) -> AuditLog {
+        AuditLog {
+            path,
+            max_bytes,
+            keep,
+            last: HashMap::new(),
+        }
+    }
+
+    fn error(&self, source: std::io::Error) -> AuditError {
+        AuditError {
+            path: self.path.display().to_string(),
+            source,
+        }
+    }
+
+    /// Whether the file can be opened for appending (a cheap pre-check; the write itself is
+    /// what counts, since opening succeeds on a full disk).
+    pub fn check(&self) -> Result<(), AuditError> {
+        self.open().map(drop).map_err(|e| self.error(e))
+    }
+
+    fn open(&self) -> std::io::Result<fs::File> {
+        if let Some(dir) = self.path.parent() {
+            fs::create_dir_all(dir)?;
+        }
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.path)
+    }
+
+    /// Append `decisions` in one write(2) (a line and its newline in separate writes could be
+    /// spliced by another appender or cut by a crash); with `durable`, fsync before returning.
+    /// A failed or short write is an error and the caller must not act on these lines.
+    pub fn append(&mut self, decisions: &[Decision], durable: bool) -> Result<(), AuditError> {
+        let mut buf = Vec::new();
+        for d in decisions {
+            serde_json::to_writer(&mut buf, d).map_err(|e| self.error(e.into()))?;
+            buf.push(b'\n');
+        }
+        if buf.is_empty() {
+            return Ok(());
+        }
+        self.rotate_for(buf.len() as u64)
+            .map_err(|e| self.error(e))?;
+        let mut f = self.open().map_err(|e| self.error(e))?;
+        let written =
+            f.write_all(&buf)
+                .and_then(|()| if durable { f.sync_data() } else { f.flush() });
+        if let Err(e) = written {
+            // Leave no partial line behind for the next append to run into.
+            if let Ok(len) = f.metadata().map(|m| m.len()) {
+                let _ = f.set_len(len.saturating_sub(partial(&f, len)));
+            }
+            return Err(self.error(e));
+        }
+        Ok(())
+    }
+
+    /// Drop skip/would-kill decisions identical to the last one written for the same policy
+    /// and socket; forget sockets of `policy` that this round did not mention.
+    pub fn dedupe(&mut self, policy: &str, decisions: &[Decision]) -> Vec<Decision> {
+        let mut seen = std::collections::HashSet::new();
+        let mut out = Vec::with_capacity(decisions.len());
+        for d in decisions {
+            let key = (policy.to_string(), socket_id(d));
+            seen.insert(key.1.clone());
+            let repeatable = matches!(d.result, Outcome::Skipped | Outcome::WouldKill);
+            let what = (d.result, d.reason.clone());
+            if repeatable && self.last.get(&key) == Some(&what) {
+                continue;
+            }
+            if repeatable {
+                self.last.insert(key, what);
+            } else {
+                self.last.remove(&key);
+            }
+            out.push(d.clone());
+        }
+        self.last
+            .retain(|(p, id), _| p != policy || seen.contains(id));
+        out
+    }
+
+    /// Rotate first if appending `extra` bytes would pass `max_bytes`.
+    fn rotate_for(&self, extra: u64) -> std::io::Result<()> {
+        if self.max_bytes == 0 {
+            return Ok(());
+        }
+        let len = match fs::metadata(&self.path) {
+            Ok(m) => m.len(),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(()),
+            Err(e) => return Err(e),
+        };
+        if len == 0 || len + extra <= self.max_bytes {
+            return Ok(());
+        }
+        let numbered = |n: usize| PathBuf::from(format!("{}.{n}", self.path.display()));
+        if self.keep == 0 {
+            return fs::remove_file(&self.path);
+        }
+        let _ = fs::remove_file(numbered(self.keep));
+        for n in (1..self.keep).rev() {
+            match fs::rename(numbered(n), numbered(n + 1)) {
+                Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e),
+                _ => {}
+            }
+        }
+        fs::rename(&self.path, numbered(1))
+    }
+}
+
+/// Bytes after the last newline in the first `len` bytes of `f` (a line cut short).
+fn partial(f: &fs::File, len: u64) -> u64 {
+    use std::os::unix::fs::FileExt;
+    let tail_len = len.min(64 * 1024);
+    let mut tail = vec![0u8; tail_len as usize];
+    if f.read_exact_at(&mut tail, len - tail_len).is_err() {
+        return 0;
+    }
+    match tail.iter().rposition(|b| *b == b'\n') {
+        Some(i) => tail_len - 1 - i as u64,
+        None if tail_len == len => len,
+        None => 0,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+    use crate::{config::parse, detect::testutil::sock, reclaim::Mode, table::TcpState};
+
+    fn decisions(n: u16, result: Outcome) -> Vec<Decision> {
+        let c = parse(
+            "[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = { comm = \"node\" }\n",
+            "t",
+        )
+        .unwrap();
+        (0..n)
+            .map(|i| {
+                let s = sock(
+                    10,
+                    "node",
+                    &format!("127.0.0.1:{}", 40000 + i),
+                    "127.0.0.1:25001",
+                    TcpState::Established,
+                );
+                super::super::decision(&c.policy[0], &Mode::DryRun, &s, &None, result, None, 1)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn repeated_skips_are_written_once_and_again_after_a_change() {
+        let mut log = AuditLog::new(PathBuf::from("/nonexistent"), 0, 0);
+        let d = decisions(3, Outcome::WouldKill);
+        assert_eq!(log.dedupe("p", &d).len(), 3);
+        assert_eq!(log.dedupe("p", &d).len(), 0, "same decisions again");
+        let mut changed = d.clone();
+        changed[1].result = Outcome::Skipped;
+        assert_eq!(log.dedupe("p", &changed).len(), 1);
+        // A socket not mentioned in a round is forgotten: it is new again afterwards.
+        assert_eq!(log.dedupe("p", &d[..1]).len(), 0);
+        assert_eq!(log.dedupe("p", &d).len(), 2);
+        // Kills are never deduplicated.
+        let k = decisions(1, Outcome::Killed);
+        assert_eq!(log.dedupe("p", &k).len(), 1);
+        assert_eq!(log.dedupe("p", &k).len(), 1);
+    }
+
+    #[test]
+    fn rotates_by_size_keeping_n_files() {
+        let dir = std::env::temp_dir().join(format!("connreap-audit-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let path = dir.join("audit.jsonl");
+        let mut log = AuditLog::new(path.clone(), 2000, 2);
+        for _ in 0..20 {
+            log.append(&decisions(2, Outcome::Killed), true).unwrap();
+        }
+        let size = |p: &Path| fs::metadata(p).map(|m| m.len()).unwrap_or(0);
+        assert!(size(&path) <= 2000, "{}", size(&path));
+        assert!(size(&dir.join("audit.jsonl.1")) > 0);
+        assert!(size(&dir.join("audit.jsonl.2")) > 0);
+        assert!(!dir.join("audit.jsonl.3").exists());
+        for p in [&path, &dir.join("audit.jsonl.1")] {
+            let text = fs::read_to_string(p).unwrap();
+            assert!(text.ends_with('\n'));
+            for line in text.lines() {
+                serde_json::from_str::<serde_json::Value>(line).unwrap();
+            }
+        }
+        let _ = fs::remove_dir_all(&dir);
+    }
+}
