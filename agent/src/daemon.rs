@@ -13,8 +13,12 @@ use crate::{
     notify::{Notification, Reclaimed},
     poller::QuotaFeeds,
     scan_loop::ScanLoop,
+    server,
     webhook::Webhooks,
 };
+
+/// How long queued notifications may delay the exit after a signal.
+const WEBHOOK_DRAIN: std::time::Duration = std::time::Duration::from_secs(3);
 
 /// The host name alerts carry: `agent.host`, else the kernel's.
 fn host_name(cfg: &Config) -> String {
@@ -99,7 +103,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         opens,
         published: published.clone(),
         metrics: metrics.clone(),
-        webhooks,
+        webhooks: webhooks.clone(),
     };
     let state = Arc::new(AppState {
         published,
@@ -114,11 +118,18 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         .with_context(|| format!("cannot listen on {} (agent.listen)", cfg.agent.listen))?;
     tracing::info!(config = %source, listen = %cfg.agent.listen, scan_interval = ?cfg.agent.scan_interval,
         quotas = cfg.quota.len(), webhooks = cfg.webhook.len(), "connreap running");
-    let server =
-        axum::serve(listener, api::router(state)).with_graceful_shutdown(shutdown_signal());
+    // On a signal everything stops at once: no new scan or reclaim round starts (a round in
+    // progress has already written its kill intents), the API closes; queued notifications
+    // get a short, bounded chance to go out.
     tokio::select! {
-        r = server => r.context("HTTP API failed")?,
+        () = server::serve(listener, api::router(state), shutdown_signal()) => {}
         () = scan_loop.run() => {}
+    }
+    if !webhooks.drain(WEBHOOK_DRAIN).await {
+        tracing::warn!(
+            queued = webhooks.queued(),
+            "shutting down with undelivered notifications"
+        );
     }
     Ok(())
 }

@@ -13,6 +13,7 @@ mod quota;
 mod reclaim;
 mod scan;
 mod scan_loop;
+mod server;
 mod snapshot;
 mod table;
 mod webhook;
@@ -126,7 +127,10 @@ fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode
         .worker_threads(2)
         .enable_all()
         .build()?;
-    rt.block_on(daemon::run(cfg, source, verbose))?;
+    let result = rt.block_on(daemon::run(cfg, source, verbose));
+    // Tasks still running (API connections, pollers, senders) are dropped, not awaited.
+    rt.shutdown_timeout(Duration::from_millis(500));
+    result?;
     Ok(ExitCode::SUCCESS)
 }
 

@@ -168,6 +168,18 @@ impl Webhooks {
         q.notify.notify_one();
     }
 
+    /// Wait until every queue is empty, at most `limit`; whether they all emptied.
+    pub async fn drain(&self, limit: Duration) -> bool {
+        let deadline = tokio::time::Instant::now() + limit;
+        while self.queued() > 0 {
+            if tokio::time::Instant::now() >= deadline {
+                return false;
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        true
+    }
+
     pub fn queued(&self) -> usize {
         self.receivers
             .iter()

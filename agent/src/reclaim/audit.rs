@@ -85,9 +85,9 @@ impl AuditLog {
         self.rotate_for(buf.len() as u64)
             .map_err(|e| self.error(e))?;
         let mut f = self.open().map_err(|e| self.error(e))?;
-        let written =
-            f.write_all(&buf)
-                .and_then(|()| if durable { f.sync_data() } else { f.flush() });
+        let written = f
+            .write_all(&buf)
+            .and_then(|()| if durable { f.sync_data() } else { f.flush() });
         if let Err(e) = written {
             // Leave no partial line behind for the next append to run into.
             if let Ok(len) = f.metadata().map(|m| m.len()) {
