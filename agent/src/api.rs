@@ -14,7 +14,7 @@ use tokio::sync::watch;
 
 use crate::{
     config::Config, engine::Engine, metrics::Metrics, notify::Alert, quota::QuotaStatus,
-    snapshot::FilterArgs, table::Socket,
+    snapshot::FilterArgs, table::Socket, tasks::Supervisor,
 };
 
 /// The socket table as the API sees it.
@@ -52,6 +52,8 @@ pub struct AppState {
     pub engine: Engine,
     /// Bearer token for POST /v1/reclaim (None: endpoint off).
     pub token: Option<String>,
+    /// Background tasks; any that failed is a problem on /healthz.
+    pub tasks: Supervisor,
 }
 
 impl AppState {
@@ -103,7 +105,7 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     let healthy = age.is_some_and(|a| a <= interval * 3 + std::time::Duration::from_secs(5));
     // Scans work, but something a user relies on does not: still 200 (restarting the agent
     // would not help), with each problem named.
-    let mut problems: Vec<String> = Vec::new();
+    let mut problems: Vec<String> = st.tasks.failures();
     if let Some(e) = &st.engine.status.borrow().audit_error {
         problems.push(format!(
             "audit log not writable, enforce policies kill nothing: {e}"

@@ -14,6 +14,7 @@ use crate::{
     poller::QuotaFeeds,
     scan_loop::ScanLoop,
     server,
+    tasks::Supervisor,
     webhook::Webhooks,
 };
 
@@ -57,7 +58,8 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     let (ring, flusher) = kernel.take_events()?;
     let (opens_tx, opens) = mpsc::unbounded_channel();
     let ring_metrics = metrics.clone();
-    tokio::spawn(kernel::ring::read(ring, flusher, move |d| {
+    let tasks = Supervisor::default();
+    let reader = kernel::ring::read(ring, flusher, move |d| {
         ring_metrics.events_read.inc_by(d.events);
         if let Some(f) = d.flushed {
             ring_metrics.batches_flushed.inc_by(f.sent.into());
@@ -66,9 +68,10 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         if !d.opens.is_empty() {
             let _ = opens_tx.send(d.opens);
         }
-    }));
+    });
+    tasks.spawn("transition ring reader", reader);
 
-    let webhooks = Webhooks::spawn(&cfg.webhook, &cfg.alerts, metrics.clone());
+    let webhooks = Webhooks::spawn(&cfg.webhook, &cfg.alerts, metrics.clone(), &tasks);
     // Scans and reclaim rounds: one owner, on its own thread.
     let core = {
         let cfg = cfg.clone();
@@ -96,7 +99,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
 
     let (published, _) = watch::channel(api::Published::default());
     let scan_loop = ScanLoop {
-        quotas: QuotaFeeds::spawn(&cfg),
+        quotas: QuotaFeeds::spawn(&cfg, &tasks),
         cfg: cfg.clone(),
         host,
         engine: engine.clone(),
@@ -112,6 +115,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         started: Instant::now(),
         engine,
         token,
+        tasks,
     });
     let listener = tokio::net::TcpListener::bind(cfg.agent.listen)
         .await

@@ -16,6 +16,7 @@ mod scan_loop;
 mod server;
 mod snapshot;
 mod table;
+mod tasks;
 mod webhook;
 
 use std::{process::ExitCode, time::Duration};

@@ -7,6 +7,7 @@ use tokio::sync::watch;
 use crate::{
     config::{Config, QuotaConfig},
     quota::{self, QuotaStatus},
+    tasks::Supervisor,
 };
 
 /// The latest reading of every HTTP quota source, by name.
@@ -16,14 +17,15 @@ pub struct QuotaFeeds {
 
 impl QuotaFeeds {
     /// Start one poller task per HTTP source of `cfg`.
-    pub fn spawn(cfg: &Config) -> QuotaFeeds {
+    pub fn spawn(cfg: &Config, tasks: &Supervisor) -> QuotaFeeds {
         let feeds = cfg
             .quota
             .iter()
             .filter(|q| q.is_http())
             .map(|q| {
                 let (tx, rx) = watch::channel(None);
-                tokio::spawn(poll_forever(q.clone(), cfg.agent.scan_interval, tx));
+                let task = poll_forever(q.clone(), cfg.agent.scan_interval, tx);
+                tasks.spawn(format!("quota poller {}", q.name), task);
                 (q.name.clone(), rx)
             })
             .collect();

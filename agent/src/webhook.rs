@@ -15,6 +15,7 @@ use crate::{
     config::{AlertsConfig, WebhookConfig, WebhookFormat},
     metrics::Metrics,
     notify::{Alert, Notification, Reclaimed, Status},
+    tasks::Supervisor,
 };
 
 /// Body of one notification in the given format.
@@ -108,7 +109,12 @@ pub struct Webhooks {
 
 impl Webhooks {
     /// Start one sender task per receiver.
-    pub fn spawn(cfgs: &[WebhookConfig], alerts: &AlertsConfig, metrics: Arc<Metrics>) -> Self {
+    pub fn spawn(
+        cfgs: &[WebhookConfig],
+        alerts: &AlertsConfig,
+        metrics: Arc<Metrics>,
+        tasks: &Supervisor,
+    ) -> Self {
         let client = reqwest::Client::builder()
             .timeout(alerts.timeout)
             .user_agent(concat!("connreap/", env!("CARGO_PKG_VERSION")))
@@ -121,13 +127,14 @@ impl Webhooks {
                 notify: Notify::new(),
                 capacity: alerts.queue_capacity,
             });
-            tokio::spawn(deliver(
+            let sender = deliver(
                 client.clone(),
                 cfg.url.clone(),
                 q.clone(),
                 alerts.max_backoff,
                 metrics.clone(),
-            ));
+            );
+            tasks.spawn(format!("webhook sender {}", cfg.url), sender);
             receivers.push((cfg.clone(), q));
         }
         Webhooks {
