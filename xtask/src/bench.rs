@@ -45,7 +45,7 @@ pub struct BenchArgs {
     #[arg(long)]
     no_profile: bool,
     /// Also measure what each part of the tracker costs (measure 1), from bench-only builds of
-    /// it (builds six extra agents first: a few minutes).
+    /// it (builds an extra agent per variant first: a few minutes).
     #[arg(long)]
     probe_parts: bool,
     /// Only these measures (1-6, comma-separated); writes target/bench-partial.md.

@@ -30,7 +30,7 @@ fn median(v: &mut [f64]) -> f64 {
 pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let ns = NetNs::new("churn")?;
     let h = ns.handle();
-    // Seven pairs: this VM's rounds swing by a quarter, and the median of five moved with it.
+    // Seven pairs: rounds on a VM swing widely, and the median of fewer moved with that drift.
     let (pairs, interval) = if ctx.smoke { (1, 1.0) } else { (7, 5.0) };
     let round = Duration::from_secs_f64(interval);
     agent::connreap(&["unpin"])?;
