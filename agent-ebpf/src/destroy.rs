@@ -28,16 +28,21 @@ pub fn connreap_iter_destroy(ctx: *mut c_void) -> i32 {
 #[inline(always)]
 unsafe fn bpf_sock_destroy(sk: u64) -> i64 {
     let ret: i64;
-    asm!(
-        ".quad {insn}",
-        insn = const kfunc::INSN,
-        inlateout("r1") sk => _,
-        lateout("r0") ret,
-        lateout("r2") _,
-        lateout("r3") _,
-        lateout("r4") _,
-        lateout("r5") _,
-    );
+    // SAFETY: per the contract, `sk` is what the kfunc takes; the loader patches the call's
+    // placeholder to the kfunc's BTF id, and the clobbers are the BPF calling convention's
+    // (r0 the result, r1-r5 caller-saved).
+    unsafe {
+        asm!(
+            ".quad {insn}",
+            insn = const kfunc::INSN,
+            inlateout("r1") sk => _,
+            lateout("r0") ret,
+            lateout("r2") _,
+            lateout("r3") _,
+            lateout("r4") _,
+            lateout("r5") _,
+        );
+    }
     ret
 }
 
@@ -60,10 +65,11 @@ fn try_iter_destroy(ctx: *mut c_void) -> Result<(), i64> {
         return Ok(());
     }
     let inode: u64 = read(socket + off!(socket_to_inode) + off!(inode_ino));
-    let Some(req) = CONNREAP_DESTROY.get_ptr_mut(&inode) else {
+    let Some(req) = CONNREAP_DESTROY.get_ptr_mut(inode) else {
         return Ok(());
     };
-    // SAFETY: a valid map value pointer; userspace does not touch it during the pass.
+    // SAFETY: a valid map value pointer; userspace does not touch it during the pass. `sk` is
+    // the trusted `sk_common` pointer of the iterator context, as bpf_sock_destroy requires.
     unsafe {
         if (*req).skaddr != 0 && (*req).skaddr != sk {
             (*req).result = kfunc::MISMATCH;

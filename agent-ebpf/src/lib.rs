@@ -10,7 +10,7 @@
 //! the iterator reports ages as "jiffies ago", and userspace converts them with the kernel's
 //! `CONFIG_HZ` (resolution 1/HZ: 4 ms at HZ=250). The first-seen lower bounds of sockets whose
 //! transition the tracker never saw are kept on userspace's `CLOCK_MONOTONIC`, read once per
-//! scan (a clock read per record was 8 % of a daemon's scan CPU at 131k TIME_WAIT sockets).
+//! scan rather than once per record (a clock read per socket on every scan).
 #![no_std]
 
 /// Linux TCP states (`include/net/tcp_states.h`).
@@ -94,8 +94,8 @@ pub const STATE_MAP_ENTRIES: u32 = STATE_SETS * STATE_WAYS as u32;
 pub const STATE_SET_BITS: u32 = 14;
 pub const STATE_SETS: u32 = 1 << STATE_SET_BITS;
 /// Ways per set: 16 keys on two cache lines. A socket whose set is full is not tracked
-/// (`counter::MAP_FULL`); at 100k sockets (≈ 6 per set on average) a uniform hash leaves a
-/// handful untracked (`cargo xtask bench` counted none of 102 006 without an exact age).
+/// (`counter::MAP_FULL`); at 100k sockets (≈ 6 per set on average) a uniform hash leaves few
+/// or none untracked (measure 3 of `cargo xtask bench` reports how many had an exact age).
 pub const STATE_WAYS: usize = 16;
 /// Ring buffer size for transition events (must be a power of two multiple of the page size).
 pub const EVENTS_RING_BYTES: u32 = 1 << 22;
@@ -252,32 +252,15 @@ pub mod flush {
 /// [`EventBatch`] and outputs the whole batch when it is full: one ring reservation (lock,
 /// producer position, wakeup check) per batch instead of per transition, and no cache line
 /// shared between CPUs on the hot path. Partial batches are sent by `connreap_flush_events`,
-/// which the daemon runs on every CPU before each drain. 64 rather than 32: ≈ 9 ns/run less
-/// (the `batch32` variant of `cargo xtask bench --probe-parts`) for 5 KB of staging per CPU.
-pub const EVENT_BATCH: usize = if variant_is("batch32") { 32 } else { 64 };
-
-/// Bench-only builds (`cargo xtask bench --probe-parts` sets `CONNREAP_PROBE_VARIANT` for both
-/// the BPF object and the agent, so both sides agree on the shared types); normal builds never
-/// set it, and the checks are compile-time constants.
-const VARIANT: &str = match option_env!("CONNREAP_PROBE_VARIANT") {
-    Some(v) => v,
-    None => "full",
+/// which the daemon runs on every CPU on a periodic tick, so no transition waits longer than
+/// one tick. 64 rather than 32 (the `batch32` variant of `cargo xtask bench --probe-parts`,
+/// built with the bench-only feature `bench-batch32`) for a few KB more staging per CPU; the
+/// measured difference is in BENCHMARKS.md.
+pub const EVENT_BATCH: usize = if cfg!(feature = "bench-batch32") {
+    32
+} else {
+    64
 };
-/// Whether this is the bench-only build `name` (the list: `VARIANTS` in xtask's bench/parts.rs).
-pub const fn variant_is(name: &str) -> bool {
-    let (a, b) = (VARIANT.as_bytes(), name.as_bytes());
-    if a.len() != b.len() {
-        return false;
-    }
-    let mut i = 0;
-    while i < a.len() {
-        if a[i] != b[i] {
-            return false;
-        }
-        i += 1;
-    }
-    true
-}
 
 /// A ring record of up to [`EVENT_BATCH`] transitions (`events[..count]`), and the per-CPU
 /// staging area it is built in (`CONNREAP_STAGING`). A ring record of exactly
@@ -381,16 +364,25 @@ pub struct OwnerRecord {
 
 #[cfg(feature = "user")]
 mod pod {
-    // SAFETY: all of these are #[repr(C)] structs of integers and byte arrays with explicit
-    // padding fields, so every bit pattern is valid and there are no implicit padding bytes.
-    unsafe impl aya::Pod for super::KernelOffsets {}
-    unsafe impl aya::Pod for super::StateEntry {}
-    unsafe impl aya::Pod for super::StateSet {}
-    unsafe impl aya::Pod for super::TransitionEvent {}
-    unsafe impl aya::Pod for super::SockRecord {}
-    unsafe impl aya::Pod for super::OwnerRecord {}
-    unsafe impl aya::Pod for super::DestroyRequest {}
-    unsafe impl aya::Pod for super::EventBatch {}
+    /// `aya::Pod` for shared types.
+    macro_rules! pod {
+        ($($t:ident),*) => {$(
+            // SAFETY: a #[repr(C)] struct of integers and byte arrays with explicit padding
+            // fields (the size assertions below rule out implicit padding), so every bit
+            // pattern is a valid value.
+            unsafe impl aya::Pod for super::$t {}
+        )*};
+    }
+    pod!(
+        KernelOffsets,
+        StateEntry,
+        StateSet,
+        TransitionEvent,
+        SockRecord,
+        OwnerRecord,
+        DestroyRequest,
+        EventBatch
+    );
 }
 
 // Layouts are part of the kernel/user contract: catch accidental implicit padding.

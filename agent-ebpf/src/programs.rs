@@ -7,17 +7,16 @@
 use core::ffi::c_void;
 
 use aya_ebpf::{
-    bindings::BPF_F_NO_PREALLOC,
     helpers::{
         bpf_jiffies64, bpf_probe_read_kernel,
         generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
     },
     macros::map,
-    maps::{Array, HashMap, PerCpuArray, RingBuf},
+    maps::{Array, PerCpuArray, RingBuf},
 };
 use connreap_ebpf::{
-    counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
-    StateSet, AF_INET, AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM, STATE_MAP_ENTRIES, STATE_SETS,
+    counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateSet,
+    AF_INET, AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM, STATE_SETS,
 };
 
 #[no_mangle]
@@ -29,23 +28,11 @@ pub static LICENSE: [u8; 4] = *b"GPL\0";
 pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
 
 /// Per-socket state, the jiffy it was entered and the 4-tuple: a set-associative table of
-/// [`STATE_SETS`] sets (see `state.rs`). Preallocated: a fixed ≈ 14.7 MB of kernel memory
-/// (exported as `connreap_bpf_map_memory_bytes`) for up to 262 144 sockets.
+/// [`STATE_SETS`] sets (see `state.rs`). Preallocated: a fixed `STATE_SETS × size_of::<StateSet>()`
+/// bytes of kernel memory (exported as `connreap_bpf_map_memory_bytes`) for up to
+/// `STATE_MAP_ENTRIES` sockets.
 #[map(name = "CONNREAP_STATE")]
 pub(crate) static CONNREAP_STATE: Array<StateSet> = Array::pinned(STATE_SETS, 0);
-
-/// Bench-only `hash` variant of the tracker: the per-socket state in the kernel hash map the
-/// table replaced (allocated on demand, keyed by socket address). One entry and unused in
-/// every other build; not pinned, so it lives and dies with the tracker that uses it.
-#[map(name = "CONNREAP_HASH")]
-pub(crate) static CONNREAP_HASH: HashMap<u64, StateEntry> = HashMap::with_max_entries(
-    if connreap_ebpf::variant_is("hash") {
-        STATE_MAP_ENTRIES
-    } else {
-        1
-    },
-    BPF_F_NO_PREALLOC,
-);
 
 #[map(name = "CONNREAP_EVENTS")]
 pub(crate) static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
@@ -153,6 +140,7 @@ fn full_sock(sk_number: u64, tp: *const u8, state: u8) -> FullSock {
             write_seq.wrapping_sub(snd_una),
         )
     };
+    // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
     let now_j = unsafe { bpf_jiffies64() };
     let now32 = now_j as u32;
     let idle = [
@@ -240,9 +228,9 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         return Ok(());
     };
     // TIME_WAIT and NEW_SYN_RECV entries are mini sockets: only sock_common is valid.
-    // SAFETY: sk is the iterator's socket; the helper returns NULL unless it is a full TCP
-    // socket, and a trusted tcp_sock pointer (struct sock at offset 0) otherwise.
     let tp = if mini != tcp_state::TIME_WAIT && mini != tcp_state::NEW_SYN_RECV {
+        // SAFETY: sk is the iterator's socket; the helper returns NULL unless it is a full TCP
+        // socket, and a trusted tcp_sock pointer (struct sock at offset 0) otherwise.
         unsafe { gen::bpf_skc_to_tcp_sock(sk as *mut c_void) as *const u8 }
     } else {
         core::ptr::null()
@@ -346,6 +334,7 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
     if sk == 0 {
         return Ok(());
     }
+    // SAFETY: meta points at struct bpf_iter_meta whose first member is the seq_file.
     let seq = unsafe { *(meta as *const u64) };
     let t = task as *const u8;
     let rec = OwnerRecord {
@@ -354,6 +343,7 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
         fd,
         comm: bytes16(addr16(t, off!(task_comm))),
     };
+    // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.
     let ret = unsafe {
         bpf_seq_write(
             seq as *mut _,

@@ -3,26 +3,31 @@
 //! set-associative table of state.rs), and sends every
 //! transition to userspace through a per-CPU staging batch and the `CONNREAP_EVENTS` ring; plus
 //! `connreap_flush_events`, which the daemon runs on each CPU to send partial batches.
+//!
+//! Bench-only builds of the tracker, to measure what each part of it costs, are cargo features
+//! of this crate that only `cargo xtask bench --probe-parts` enables, one per build (the list:
+//! `VARIANTS` in xtask's bench/parts.rs). The shipped build enables none: the flags below are
+//! then `false` and their branches compile to nothing, and the `hash` variant's map and code
+//! (module `hash`) are not compiled at all.
 use core::ffi::c_void;
 
 use aya_ebpf::{
     bindings::{BPF_RB_AVAIL_DATA, BPF_RB_FORCE_WAKEUP, BPF_RB_NO_WAKEUP, BPF_RB_PROD_POS},
-    helpers::{bpf_get_current_pid_tgid, bpf_jiffies64, bpf_ktime_get_ns, generated as gen},
+    helpers::{bpf_get_current_pid_tgid, generated as gen},
     macros::btf_tracepoint,
     programs::BtfTracePointContext,
 };
 use connreap_ebpf::{
-    counter, flush, tcp_state, variant_is, EventBatch, StateEntry, TransitionEvent, AF_INET6,
-    EVENT_BATCH, IPPROTO_TCP,
+    counter, flush, tcp_state, EventBatch, StateEntry, TransitionEvent, AF_INET6, EVENT_BATCH,
+    IPPROTO_TCP,
 };
 
 use crate::{
     off,
-    programs::{
-        addr16, bump, bump_by, bytes16, sk_field, CONNREAP_EVENTS, CONNREAP_HASH, CONNREAP_STAGING,
-    },
-    state,
+    programs::{addr16, bump, bump_by, bytes16, sk_field, CONNREAP_EVENTS, CONNREAP_STAGING},
 };
+#[cfg(feature = "bench-hash")]
+use hash::track;
 
 #[btf_tracepoint(function = "inet_sock_set_state")]
 pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
@@ -31,26 +36,19 @@ pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
 }
 
 /// Wake the ring reader once per this much ring traffic (the daemon also drains on a timer, so
-/// most batches cost no wakeup). A quarter of the 4 MiB ring: the reader has 3 MiB of slack
-/// (about 80 ms of a 45k connections/s churn) to answer a wakeup before events drop. Side by
-/// side under that churn, 1 MiB instead of 256 KiB cut the daemon's CPU per connection by about
-/// a quarter (fewer wakeups and context switches), with no drops.
+/// most batches cost no wakeup). A quarter of the 4 MiB ring: the reader has 3 MiB of slack to
+/// answer a wakeup before events drop, and fewer wakeups (and context switches) than with a
+/// smaller step cost the daemon less CPU per connection under churn.
 const WAKEUP_BYTES: u64 = 1024 * 1024;
 
-// Bench-only build variants of the tracker, to measure what each part of it costs
-// (`cargo xtask bench --probe-parts` builds one object per variant, see connreap_ebpf::variant_is).
-/// Count the transition and stop: the floor (entry, stats, ctx loads).
-const COUNT_ONLY: bool = variant_is("count-only");
-/// Everything but the per-socket state table.
-const NO_MAP: bool = variant_is("no-map");
-/// Everything but the event ring.
-const NO_RING: bool = variant_is("no-ring");
-/// One ring record per transition (the design before per-CPU batches).
-const UNBATCHED: bool = variant_is("unbatched");
-/// Stamps transitions with bpf_ktime_get_ns instead of jiffies (ages are wrong: cost only).
-const KTIME: bool = variant_is("ktime");
-/// The per-socket state in the kernel hash map the set-associative table replaced.
-const HASH: bool = variant_is("hash");
+/// Bench-only `count-only`: count the transition and stop (the floor: entry, stats, ctx loads).
+const COUNT_ONLY: bool = cfg!(feature = "bench-count-only");
+/// Bench-only `no-map`: everything but the per-socket state table.
+const NO_MAP: bool = cfg!(feature = "bench-no-map");
+/// Bench-only `no-ring`: everything but the event ring.
+const NO_RING: bool = cfg!(feature = "bench-no-ring");
+/// Bench-only `unbatched`: one ring record per transition (the design before per-CPU batches).
+const UNBATCHED: bool = cfg!(feature = "bench-unbatched");
 
 fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     let sk: *const u8 = ctx.arg(0);
@@ -84,13 +82,7 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
         ([s as u64, 0], [d as u64, 0])
     };
     let t = Transition {
-        // Jiffies, not bpf_ktime_get_ns: a plain load instead of a clock read, and the unit of
-        // the kernel's own TCP timestamps that the iterator reports idle times in.
-        now: if KTIME {
-            unsafe { bpf_ktime_get_ns() }
-        } else {
-            unsafe { bpf_jiffies64() }
-        },
+        now: now(),
         skaddr: sk as u64,
         saddr,
         daddr,
@@ -115,12 +107,28 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     Ok(())
 }
 
+/// The transition's timestamp: jiffies, not bpf_ktime_get_ns, a plain load instead of a clock
+/// read, and the unit of the kernel's own TCP timestamps that the iterator reports idle times in.
+#[cfg(not(feature = "bench-ktime"))]
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
+    unsafe { aya_ebpf::helpers::bpf_jiffies64() }
+}
+
+/// Bench-only `ktime`: stamp transitions with bpf_ktime_get_ns instead of jiffies (the ages
+/// come out wrong: this build measures the cost only).
+#[cfg(feature = "bench-ktime")]
+#[inline(always)]
+fn now() -> u64 {
+    // SAFETY: a helper without arguments that only reads the monotonic clock.
+    unsafe { aya_ebpf::helpers::bpf_ktime_get_ns() }
+}
+
 /// Keep the socket's record in the state table: written on every transition, freed on close.
+#[cfg(not(feature = "bench-hash"))]
 #[inline(always)]
 fn track(t: &Transition, batch: *mut EventBatch) {
-    if HASH {
-        return track_in_hash(t);
-    }
     // The socket's address as a plain number (see EventBatch::scratch and state.rs).
     // SAFETY: this CPU's staging value; only the tracker writes `scratch`, and it does not
     // nest on a CPU.
@@ -129,30 +137,8 @@ fn track(t: &Transition, batch: *mut EventBatch) {
         core::ptr::read_volatile(&(*batch).scratch)
     };
     if t.newstate == tcp_state::CLOSE {
-        state::remove(sk);
-    } else if !state::put(sk, &t.entry()) {
-        bump(counter::MAP_FULL);
-    }
-}
-
-/// The bench-only `hash` variant's table: the kernel hash map (see programs.rs).
-#[inline(always)]
-fn track_in_hash(t: &Transition) {
-    if t.newstate == tcp_state::CLOSE {
-        let _ = CONNREAP_HASH.remove(&t.skaddr);
-        return;
-    }
-    let entry = t.entry();
-    if t.oldstate == tcp_state::CLOSE || t.oldstate == tcp_state::LISTEN {
-        // A new socket: insert without looking up first (BPF_ANY also replaces a stale
-        // record at a reused address).
-        if CONNREAP_HASH.insert(&t.skaddr, &entry, 0).is_err() {
-            bump(counter::MAP_FULL);
-        }
-    } else if let Some(existing) = CONNREAP_HASH.get_ptr_mut(&t.skaddr) {
-        // SAFETY: a valid map value pointer.
-        unsafe { *existing = entry };
-    } else if CONNREAP_HASH.insert(&t.skaddr, &entry, 0).is_err() {
+        crate::state::remove(sk);
+    } else if !crate::state::put(sk, &t.entry()) {
         bump(counter::MAP_FULL);
     }
 }
@@ -323,7 +309,8 @@ fn stage(t: &Transition, batch: *mut EventBatch) {
 }
 
 /// Send this CPU's partial batch. Never attached: the daemon runs it on each CPU with
-/// `BPF_PROG_TEST_RUN` + `BPF_F_TEST_RUN_ON_CPU` before draining the ring. Returns
+/// `BPF_PROG_TEST_RUN` + `BPF_F_TEST_RUN_ON_CPU` on a periodic tick, then drains the ring (a
+/// wakeup from the probe only drains: full batches need no flush). Returns
 /// [`flush::EMPTY`], [`flush::SENT`] (a partial batch went out) or [`flush::BUSY`] (the batch was
 /// in use: its events go out with the batch or on the next round).
 ///
@@ -360,4 +347,43 @@ fn try_flush() -> i32 {
         core::ptr::write_volatile(&mut (*batch).busy, 0);
     }
     ret
+}
+
+/// Bench-only `hash`: the per-socket state in the kernel hash map that the set-associative
+/// table of state.rs replaced (allocated per socket, keyed by socket address). Not pinned, so
+/// it lives and dies with the tracker that uses it.
+#[cfg(feature = "bench-hash")]
+mod hash {
+    use aya_ebpf::{bindings::BPF_F_NO_PREALLOC, macros::map, maps::HashMap};
+    use connreap_ebpf::{counter, tcp_state, EventBatch, StateEntry, STATE_MAP_ENTRIES};
+
+    use super::Transition;
+    use crate::programs::bump;
+
+    #[map(name = "CONNREAP_HASH")]
+    static CONNREAP_HASH: HashMap<u64, StateEntry> =
+        HashMap::with_max_entries(STATE_MAP_ENTRIES, BPF_F_NO_PREALLOC);
+
+    /// The shipped `track`, on the hash map (the staging batch is not needed here).
+    #[inline(always)]
+    pub(super) fn track(t: &Transition, _batch: *mut EventBatch) {
+        if t.newstate == tcp_state::CLOSE {
+            let _ = CONNREAP_HASH.remove(t.skaddr);
+            return;
+        }
+        let entry = t.entry();
+        if t.oldstate == tcp_state::CLOSE || t.oldstate == tcp_state::LISTEN {
+            // A new socket: insert without looking up first (BPF_ANY also replaces a stale
+            // record at a reused address).
+            if CONNREAP_HASH.insert(t.skaddr, entry, 0).is_err() {
+                bump(counter::MAP_FULL);
+            }
+        } else if let Some(existing) = CONNREAP_HASH.get_ptr_mut(t.skaddr) {
+            // SAFETY: a valid pointer to this socket's map value; only its own transitions
+            // write it, and the kernel serialises those under the socket's lock.
+            unsafe { *existing = entry };
+        } else if CONNREAP_HASH.insert(t.skaddr, entry, 0).is_err() {
+            bump(counter::MAP_FULL);
+        }
+    }
 }

@@ -19,7 +19,7 @@ mod scale;
 mod sys;
 
 use std::{
-    path::PathBuf,
+    path::{Path, PathBuf},
     process::Command,
     time::{Duration, Instant},
 };
@@ -45,7 +45,7 @@ pub struct BenchArgs {
     #[arg(long)]
     no_profile: bool,
     /// Also measure what each part of the tracker costs (measure 1), from bench-only builds of
-    /// it (builds six extra agents first: a few minutes).
+    /// it (builds an extra agent per variant first: a few minutes).
     #[arg(long)]
     probe_parts: bool,
     /// Only these measures (1-6, comma-separated); writes target/bench-partial.md.
@@ -82,6 +82,22 @@ pub struct Ctx {
 }
 
 impl Ctx {
+    fn new(args: &BenchArgs, dir: PathBuf) -> Ctx {
+        Ctx {
+            smoke: args.smoke,
+            parts: args.probe_parts,
+            perf: !args.no_profile && profile::available(),
+            dir,
+            idle_rss_kb: None,
+            idle_kinds: None,
+            iter_ns: None,
+            set_state_ns: None,
+            runs_per_conn: None,
+            dispatch_ns: None,
+            tracker_perf_us: None,
+        }
+    }
+
     /// Longest churn warm-up before measuring (filling the TIME_WAIT table).
     pub fn warm_up(&self) -> Duration {
         Duration::from_secs(if self.smoke { 2 } else { 30 })
@@ -241,6 +257,30 @@ fn wait_quiet(max: Duration) -> Result<Vec<String>> {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
+    let (dir, built) = prepare(&args)?;
+    let busy = wait_quiet(Duration::from_secs(args.wait_quiet))?;
+    let (lock, waited) = sys::e2e_lock(Duration::from_secs(args.wait_quiet.max(60)))?;
+    let pins = agent::PinRestore::new();
+    let load0 = sys::loadavg();
+    let t0 = Instant::now();
+    let mut ctx = Ctx::new(&args, dir.clone());
+    let done = run_measures(&mut ctx, &args.only);
+    drop(pins);
+    drop(lock);
+    let mut conditions = Vec::new();
+    if waited {
+        conditions
+            .push("Waited for the e2e tests to release their lock before starting.".to_string());
+    }
+    conditions.extend(run_conditions(&busy, &done, &load0, t0));
+    write_report(&args, &dir, &built, conditions, &done.rows)?;
+    check_verdicts(&args, &done.rows)
+}
+
+/// Build (unless `--no-build`), check the machine, and copy the agent (and, with
+/// `--probe-parts`, build its variants) into the bench's directory; returns that directory and
+/// when the agent binary was built.
+fn prepare(args: &BenchArgs) -> Result<(PathBuf, String)> {
     if !args.no_build {
         crate::build_agent()?;
     }
@@ -261,46 +301,41 @@ pub fn run(args: BenchArgs) -> Result<()> {
     if args.probe_parts {
         parts::build(&dir)?;
     }
-    let mut conditions = Vec::new();
-    let busy = wait_quiet(Duration::from_secs(args.wait_quiet))?;
-    let (lock, waited) = sys::e2e_lock(Duration::from_secs(args.wait_quiet.max(60)))?;
-    if waited {
-        conditions
-            .push("Waited for the e2e tests to release their lock before starting.".to_string());
-    }
-    let pins = agent::PinRestore::new();
-    let load0 = sys::loadavg();
-    let t0 = Instant::now();
-    let mut ctx = Ctx {
-        smoke: args.smoke,
-        parts: args.probe_parts,
-        perf: !args.no_profile && profile::available(),
-        dir: dir.clone(),
-        idle_rss_kb: None,
-        idle_kinds: None,
-        iter_ns: None,
-        set_state_ns: None,
-        runs_per_conn: None,
-        dispatch_ns: None,
-        tracker_perf_us: None,
+    Ok((dir, built))
+}
+
+/// What the measures produced, and what ran next to them.
+struct Done {
+    rows: Vec<Row>,
+    /// Other work (e2e tests, compiles) seen after each measure.
+    busy_during: Vec<String>,
+    /// CPU steal during each measure, as text.
+    steal: Vec<String>,
+}
+
+/// Run the selected measures in order (`only`: measure ids, empty for all); a failed measure
+/// becomes a failed row, and Ctrl-C stops after the current one.
+fn run_measures(ctx: &mut Ctx, only: &[u8]) -> Done {
+    let mut done = Done {
+        rows: Vec::new(),
+        busy_during: Vec::new(),
+        steal: Vec::new(),
     };
-    let mut rows = Vec::new();
-    let mut noisy = busy.clone();
-    let mut steal = Vec::new();
     for (id, ids, name, f) in MEASURES {
-        if !args.only.is_empty() && !ids.iter().any(|i| args.only.contains(i)) {
+        if !only.is_empty() && !ids.iter().any(|i| only.contains(i)) {
             continue;
         }
         eprintln!("bench: measure {id}: {name}");
         let start = Instant::now();
         let ticks0 = sys::cpu_ticks();
-        match f(&mut ctx) {
-            Ok(r) => rows.extend(r.into_iter().filter(|r| {
-                args.only.is_empty() || r.id.parse().is_ok_and(|i| args.only.contains(&i))
-            })),
+        match f(ctx) {
+            Ok(r) => done.rows.extend(
+                r.into_iter()
+                    .filter(|r| only.is_empty() || r.id.parse().is_ok_and(|i| only.contains(&i))),
+            ),
             Err(e) => {
                 eprintln!("bench: measure {id} failed: {e:#}");
-                rows.push(Row::failed(id, name, &e));
+                done.rows.push(Row::failed(id, name, &e));
                 if sys::check_interrupted().is_err() {
                     break;
                 }
@@ -309,17 +344,23 @@ pub fn run(args: BenchArgs) -> Result<()> {
         eprintln!("bench: measure {id} took {:.0?}", start.elapsed());
         let ticks1 = sys::cpu_ticks();
         let all = ticks1.0.saturating_sub(ticks0.0).max(1);
-        steal.push(format!(
+        done.steal.push(format!(
             "{id}: {:.1} %",
             ticks1.1.saturating_sub(ticks0.1) as f64 * 100.0 / all as f64
         ));
         for b in sys::busy() {
-            noisy.push(format!("{b} during measure {id}"));
+            done.busy_during.push(format!("{b} during measure {id}"));
         }
     }
-    drop(pins);
-    drop(lock);
+    done
+}
+
+/// The report's run conditions: other load (`busy` at the start, then during the measures),
+/// CPU steal, load average from `load0` to now, and the run's duration since `t0`.
+fn run_conditions(busy: &[String], done: &Done, load0: &str, t0: Instant) -> Vec<String> {
     let load1 = sys::loadavg();
+    let noisy: Vec<String> = busy.iter().chain(&done.busy_during).cloned().collect();
+    let mut conditions = Vec::new();
     if noisy.is_empty() {
         conditions.push(
             "Quiet machine: no e2e tests, `cargo test` or rustc running at the start or after any measure."
@@ -333,12 +374,24 @@ pub fn run(args: BenchArgs) -> Result<()> {
     }
     conditions.push(format!(
         "CPU steal (time the hypervisor gave this VM's CPUs to others) during each measure: {}.",
-        steal.join(", ")
+        done.steal.join(", ")
     ));
     conditions.push(format!(
         "Load average (1/5/15 min) {load0} at the start, {load1} at the end; the run took {:.0} s.",
         t0.elapsed().as_secs_f64()
     ));
+    conditions
+}
+
+/// Print the summary and write the report: target/bench-smoke.md, target/bench-partial.md
+/// (`--only`) or BENCHMARKS.md.
+fn write_report(
+    args: &BenchArgs,
+    dir: &Path,
+    built: &str,
+    conditions: Vec<String>,
+    rows: &[Row],
+) -> Result<()> {
     let (title, command, out) = if args.smoke {
         (
             "connreap bench (smoke: not representative)",
@@ -361,14 +414,19 @@ pub fn run(args: BenchArgs) -> Result<()> {
     let header = report::Header {
         title: title.into(),
         command: command.into(),
-        machine: machine(&built),
+        machine: machine(built),
         conditions,
         methods: METHODS,
     };
-    println!("\n{}", report::console(&rows));
-    let md = report::markdown(&header, &rows);
+    println!("\n{}", report::console(rows));
+    let md = report::markdown(&header, rows);
     std::fs::write(&out, md)?;
     println!("wrote {}", out.canonicalize().unwrap_or(out).display());
+    Ok(())
+}
+
+/// Fail when a measure failed, or (`--strict`, not `--smoke`) when a target was missed.
+fn check_verdicts(args: &BenchArgs, rows: &[Row]) -> Result<()> {
     let failed: Vec<&str> = rows
         .iter()
         .filter(|r| r.verdict == Verdict::Failed)

@@ -78,7 +78,14 @@ pub fn build_ebpf() -> Result<()> {
     build_ebpf_variant(None)
 }
 
-/// The BPF object, or a bench-only variant of the tracker (see agent-ebpf's programs.rs).
+/// The cargo feature of connreap-ebpf that makes the bench-only tracker `variant` (one of
+/// `bench::parts::VARIANTS`; see agent-ebpf's tracker.rs).
+fn variant_feature(variant: &str) -> String {
+    format!("bench-{variant}")
+}
+
+/// The BPF object, or a bench-only variant of the tracker (`variant`: see
+/// [`variant_feature`]); the shipped object is built with no bench feature.
 pub fn build_ebpf_variant(variant: Option<&str>) -> Result<()> {
     setup::ensure()?;
     let mut cmd = Command::new("rustup");
@@ -94,10 +101,9 @@ pub fn build_ebpf_variant(variant: Option<&str>) -> Result<()> {
             ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
         )
         .env("PATH", setup::path_with_cargo_bin());
-    match variant {
-        Some(v) => cmd.env("CONNREAP_PROBE_VARIANT", v),
-        None => cmd.env_remove("CONNREAP_PROBE_VARIANT"),
-    };
+    if let Some(v) = variant {
+        cmd.args(["--features", &variant_feature(v)]);
+    }
     run(&mut cmd)
 }
 
@@ -111,15 +117,17 @@ pub fn build_agent_only() -> Result<()> {
     build_agent_variant(None)
 }
 
-/// The agent around whatever BPF object was built last; `variant` also reaches the shared types
-/// (connreap-ebpf's lib), so both sides of a bench-only variant agree.
+/// The agent around whatever BPF object was built last; a bench-only `variant` enables the same
+/// feature on the agent's copy of connreap-ebpf (the shared types), so both sides agree.
 pub fn build_agent_variant(variant: Option<&str>) -> Result<()> {
     let mut cmd = cargo();
     cmd.args(["build", "--release", "--package", "connreap"]);
-    match variant {
-        Some(v) => cmd.env("CONNREAP_PROBE_VARIANT", v),
-        None => cmd.env_remove("CONNREAP_PROBE_VARIANT"),
-    };
+    if let Some(v) = variant {
+        cmd.args([
+            "--features",
+            &format!("connreap-ebpf/{}", variant_feature(v)),
+        ]);
+    }
     run(&mut cmd)
 }
 

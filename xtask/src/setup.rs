@@ -72,7 +72,8 @@ pub fn ensure() -> Result<()> {
             "xtask: installing {} with apt (LLVM 22 for bpf-linker, iproute2 for tests)",
             APT_PACKAGES.join(" ")
         );
-        if unsafe { libc_geteuid() } != 0 {
+        // SAFETY: geteuid has no preconditions and cannot fail.
+        if unsafe { libc::geteuid() } != 0 {
             bail!("installing packages needs root: run `sudo cargo xtask setup`");
         }
         run(Command::new("apt-get").args(["update", "-qq"]))?;
@@ -99,9 +100,4 @@ pub fn install() -> Result<()> {
     ensure()?;
     eprintln!("xtask: setup complete (rust-src, LLVM 22, bpf-linker present)");
     Ok(())
-}
-
-extern "C" {
-    #[link_name = "geteuid"]
-    fn libc_geteuid() -> u32;
 }

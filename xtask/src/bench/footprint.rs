@@ -8,7 +8,7 @@ use std::{
 use anyhow::Result;
 
 use super::{
-    agent::Daemon,
+    agent::{Daemon, Scrape},
     proc, profile,
     report::{ms, Row, Verdict},
     sys::{self, NsHandle},
@@ -56,7 +56,39 @@ fn trimmed_rss(pid: u32) -> Option<(u64, u64)> {
     (after < before).then_some((before, after))
 }
 
+/// Measures 4 and 6: a daemon in `h`, where the holders keep `held` sockets (`tag`: the size).
 pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Result<Vec<Row>> {
+    let o = observe(ctx, h)?;
+    let mem = memory_row(ctx, &o, tag, held);
+    let cpu = cpu_row(&o, tag, held);
+    Ok(vec![mem, cpu])
+}
+
+/// What one daemon run gave: VmRSS and CPU over the window, /metrics at both ends, and the
+/// diagnostics taken after it.
+struct Observed {
+    interval: f64,
+    window: f64,
+    /// VmRSS after the first scans, at each scan interval through the window, and at the end.
+    rss_a: u64,
+    series: Vec<u64>,
+    rss_b: u64,
+    hwm: u64,
+    /// The VmRSS by kind at the end, as text.
+    kinds_end: String,
+    /// The daemon's user and system CPU time over the window.
+    user: Duration,
+    sys: Duration,
+    m0: Scrape,
+    m1: Scrape,
+    prof: Option<profile::Profile>,
+    /// VmRSS before and after `malloc_trim(0)`.
+    trimmed: Option<(u64, u64)>,
+}
+
+/// Run a daemon in `h`: VmRSS once per scan through the CPU window, then (with `--perf`) a
+/// profile over two scans and the `malloc_trim` step.
+fn observe(ctx: &Ctx, h: &NsHandle) -> Result<Observed> {
     let (interval, window): (f64, f64) = if ctx.smoke { (1.0, 5.0) } else { (5.0, 60.0) };
     let mut d = Daemon::start(h, &ctx.dir, "scale", &format!("{interval}s"), "")?;
     d.wait_scans(2.0, Duration::from_secs(60))?;
@@ -86,13 +118,34 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
     };
     let trimmed = if ctx.perf { trimmed_rss(d.pid()) } else { None };
     drop(d);
+    Ok(Observed {
+        interval,
+        window,
+        rss_a,
+        series,
+        rss_b,
+        hwm,
+        kinds_end,
+        user: u1.saturating_sub(u0),
+        sys: s1.saturating_sub(s0),
+        m0,
+        m1,
+        prof,
+        trimmed,
+    })
+}
 
-    let (du, ds) = (u1.saturating_sub(u0), s1.saturating_sub(s0));
-    let cpu_pct = (du + ds).as_secs_f64() / window * 100.0;
+/// Measure 4's row: the largest VmRSS sampled against the target.
+fn memory_row(ctx: &Ctx, o: &Observed, tag: &str, held: usize) -> Row {
+    let (m0, m1) = (&o.m0, &o.m1);
     let scans = m1.scans() - m0.scans();
-    let mean_scan = (m1.scan_seconds() - m0.scan_seconds()) / scans.max(1.0);
-    let per_scan_cpu = (du + ds).as_secs_f64() / scans.max(1.0);
-    let peak = series.iter().copied().max().unwrap_or(rss_b).max(rss_b);
+    let peak = o
+        .series
+        .iter()
+        .copied()
+        .max()
+        .unwrap_or(o.rss_b)
+        .max(o.rss_b);
     let rss_mb = mb(peak);
     let idle = ctx.idle_rss_kb.map(mb);
     let mut mem = Row {
@@ -101,9 +154,9 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
         result: format!("{rss_mb:.1} MB VmRSS"),
         figures: format!(
             "largest VmRSS sampled once per scan; {:.1} MB after 3 scans, {:.1} MB after {scans:.0} more; VmHWM {:.1} MB; idle daemon {}; kernel-side BPF maps {:.1} MB",
-            mb(rss_a),
-            mb(rss_b),
-            mb(hwm),
+            mb(o.rss_a),
+            mb(o.rss_b),
+            mb(o.hwm),
             idle.map(|m| format!("{m:.1} MB")).unwrap_or("-".into()),
             m1.sum("connreap_bpf_map_memory_bytes") / 1048576.0
         ),
@@ -112,13 +165,29 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
         details: vec![],
         diagnosis: vec![],
     };
-    let series_txt: Vec<String> = series.iter().map(|k| format!("{:.0}", mb(*k))).collect();
+    let facts = memory_facts(ctx, o, rss_mb, held);
+    mem.details.clone_from(&facts);
+    if mem.verdict == Verdict::Miss {
+        mem.diagnosis = facts;
+        mem.diagnosis.push(format!(
+            "VmHWM {:.1} MB is the peak: a scan's transient allocations at this size.",
+            mb(o.hwm)
+        ));
+    }
+    mem
+}
+
+/// Where the memory is: the VmRSS series, by kind, the kernel side, the growth from the idle
+/// daemon, and what `malloc_trim` returned. `rss_mb`: the judged VmRSS.
+fn memory_facts(ctx: &Ctx, o: &Observed, rss_mb: f64, held: usize) -> Vec<String> {
+    let m1 = &o.m1;
+    let series_txt: Vec<String> = o.series.iter().map(|k| format!("{:.0}", mb(*k))).collect();
     let mut facts = vec![
         format!(
             "VmRSS (MB) once per scan interval from the 3rd scan on: {} (the largest is judged).",
             series_txt.join(", ")
         ),
-        format!("At the end: {kinds_end}."),
+        format!("At the end: {}.", o.kinds_end),
         format!(
             "Kernel side (not in VmRSS, the kernel's own accounting from /metrics \
              `connreap_bpf_map_memory_bytes`): {:.1} MB of BPF maps, of which the per-socket \
@@ -132,7 +201,7 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
                 / 1048576.0,
         ),
     ];
-    if let (Some(idle), Some(k)) = (idle, &ctx.idle_kinds) {
+    if let (Some(idle), Some(k)) = (ctx.idle_rss_kb.map(mb), &ctx.idle_kinds) {
         facts.push(format!(
             "The idle daemon (measure 1, an empty namespace) already had {idle:.1} MB: {k}."
         ));
@@ -141,7 +210,7 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
             (rss_mb - idle) * 1024.0 * 1024.0 / held as f64
         ));
     }
-    if let Some((before, after)) = trimmed {
+    if let Some((before, after)) = o.trimmed {
         facts.push(format!(
             "After `malloc_trim(0)` (called through gdb once the figures above were taken) VmRSS \
              fell from {:.1} MB to {:.1} MB: {:.1} MB was memory the scans had freed but glibc's \
@@ -152,14 +221,17 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
             mb(after)
         ));
     }
-    mem.details.clone_from(&facts);
-    if mem.verdict == Verdict::Miss {
-        mem.diagnosis = facts;
-        mem.diagnosis.push(format!(
-            "VmHWM {:.1} MB is the peak: a scan's transient allocations at this size.",
-            mb(hwm)
-        ));
-    }
+    facts
+}
+
+/// Measure 6's row (informational): the daemon's CPU over the window, and its profile.
+fn cpu_row(o: &Observed, tag: &str, held: usize) -> Row {
+    let (du, ds, window) = (o.user, o.sys, o.window);
+    let cpu_pct = (du + ds).as_secs_f64() / window * 100.0;
+    let scans = o.m1.scans() - o.m0.scans();
+    let mean_scan = (o.m1.scan_seconds() - o.m0.scan_seconds()) / scans.max(1.0);
+    let per_scan_cpu = (du + ds).as_secs_f64() / scans.max(1.0);
+    let interval = o.interval;
     let mut cpu = Row {
         id: "6",
         name: format!("daemon CPU @ {held} idle sockets ({tag})"),
@@ -176,12 +248,12 @@ pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Resul
         details: vec![],
         diagnosis: vec![],
     };
-    if let Some(p) = prof {
+    if let Some(p) = &o.prof {
         cpu.details.push(format!(
             "`perf record -p` of the daemon over two scan intervals, by component: {}. Top symbols: {}.",
             p.components(8).join(", "),
             p.top(10).join(", ")
         ));
     }
-    Ok(vec![mem, cpu])
+    cpu
 }

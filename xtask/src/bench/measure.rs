@@ -8,7 +8,7 @@ use super::{
     load::{self, CloseWait},
     proc,
     report::{ms, Row, Verdict},
-    sys::{self, NetNs},
+    sys::{self, NetNs, NsHandle},
     Ctx,
 };
 
@@ -30,15 +30,72 @@ fn median(v: &mut [f64]) -> f64 {
 pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let ns = NetNs::new("churn")?;
     let h = ns.handle();
-    // Seven pairs: this VM's rounds swing by a quarter, and the median of five moved with it.
+    // Seven pairs: rounds on a VM swing widely, and the median of fewer moved with that drift.
     let (pairs, interval) = if ctx.smoke { (1, 1.0) } else { (7, 5.0) };
-    let round = Duration::from_secs_f64(interval);
     agent::connreap(&["unpin"])?;
-    let (tw, tw_max) = load::warm_up(&h, WORKERS, ctx.warm_up())?;
-    let (mut with, mut without) = (Vec::new(), Vec::new());
-    let (mut cpu, mut scans, mut scan_s) = (Duration::ZERO, 0.0, 0.0);
-    let mut with_conns = 0u64;
-    let mut log = Vec::new();
+    let warm = load::warm_up(&h, WORKERS, ctx.warm_up())?;
+    let rounds = churn_rounds(ctx, &h, pairs, interval)?;
+    let tcp_sockets = super::scale::ss_count(&h)?;
+    let mut row = churn_row(&rounds, pairs, warm, tcp_sockets);
+    explain_churn(ctx, &rounds, &mut row);
+    Ok(vec![row])
+}
+
+/// The rounds of measure 2, and what the daemon did in the attached ones.
+struct ChurnRounds {
+    round: Duration,
+    /// Connections/s of each round, attached and detached, in order.
+    with: Vec<f64>,
+    without: Vec<f64>,
+    /// Over the attached rounds: the daemon's CPU time, its scans and their seconds, and the
+    /// connections made.
+    cpu: Duration,
+    scans: f64,
+    scan_s: f64,
+    with_conns: u64,
+    /// Every round's rate in order, as text.
+    log: Vec<String>,
+}
+
+impl ChurnRounds {
+    /// Median connections/s (attached, detached).
+    fn medians(&self) -> (f64, f64) {
+        (
+            median(&mut self.with.clone()),
+            median(&mut self.without.clone()),
+        )
+    }
+
+    /// Each ABBA pair's own ratio: how far the machine drifts between rounds of one condition.
+    fn pair_ratios(&self) -> Vec<f64> {
+        self.with
+            .iter()
+            .zip(&self.without)
+            .map(|(w, o)| w / o)
+            .collect()
+    }
+
+    /// The daemon's CPU while attached, as % of one core.
+    fn daemon_pct(&self) -> f64 {
+        let wall = self.round.as_secs_f64() * self.with.len() as f64;
+        self.cpu.as_secs_f64() / wall * 100.0
+    }
+}
+
+/// `pairs` ABBA pairs of one scan `interval` each: detached after `connreap unpin` with no
+/// daemon, attached with a daemon in the namespace.
+fn churn_rounds(ctx: &Ctx, h: &NsHandle, pairs: usize, interval: f64) -> Result<ChurnRounds> {
+    let round = Duration::from_secs_f64(interval);
+    let mut r = ChurnRounds {
+        round,
+        with: Vec::new(),
+        without: Vec::new(),
+        cpu: Duration::ZERO,
+        scans: 0.0,
+        scan_s: 0.0,
+        with_conns: 0,
+        log: Vec::new(),
+    };
     for i in 0..pairs {
         let order = if i % 2 == 0 {
             [false, true]
@@ -48,42 +105,46 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
         for attached in order {
             sys::check_interrupted()?;
             if attached {
-                let d = Daemon::start(&h, &ctx.dir, "churn", &format!("{interval}s"), "")?;
+                let d = Daemon::start(h, &ctx.dir, "churn", &format!("{interval}s"), "")?;
                 // Start half an interval after a scan: exactly one scan falls in each round.
                 sys::sleep(round / 2)?;
                 let (u0, s0) = proc::cpu_times(d.pid())?;
                 let m0 = d.scrape()?;
-                let r = load::churn(&h, WORKERS, round)?;
+                let c = load::churn(h, WORKERS, round)?;
                 let (u1, s1) = proc::cpu_times(d.pid())?;
                 let m1 = d.scrape()?;
-                cpu += (u1 + s1).saturating_sub(u0 + s0);
-                scans += m1.scans() - m0.scans();
-                scan_s += m1.scan_seconds() - m0.scan_seconds();
-                with_conns += r.conns;
-                log.push(format!("with {:.0}/s", r.rate()));
-                with.push(r.rate());
+                r.cpu += (u1 + s1).saturating_sub(u0 + s0);
+                r.scans += m1.scans() - m0.scans();
+                r.scan_s += m1.scan_seconds() - m0.scan_seconds();
+                r.with_conns += c.conns;
+                r.log.push(format!("with {:.0}/s", c.rate()));
+                r.with.push(c.rate());
             } else {
                 agent::connreap(&["unpin"])?;
-                let r = load::churn(&h, WORKERS, round)?;
-                log.push(format!("without {:.0}/s", r.rate()));
-                without.push(r.rate());
+                let c = load::churn(h, WORKERS, round)?;
+                r.log.push(format!("without {:.0}/s", c.rate()));
+                r.without.push(c.rate());
             }
         }
     }
-    let (mw, mo) = (median(&mut with.clone()), median(&mut without.clone()));
-    // Each ABBA pair's own ratio: how far the machine drifts between rounds of one condition.
-    let pair_ratios: Vec<f64> = with.iter().zip(&without).map(|(w, o)| w / o).collect();
+    Ok(r)
+}
+
+/// Measure 2's row: the ratio of the medians against the target, with the rounds' figures.
+/// `(tw, tw_max)`: the TIME_WAIT sockets after the warm-up and their cap.
+fn churn_row(r: &ChurnRounds, pairs: usize, (tw, tw_max): (u64, u64), tcp_sockets: usize) -> Row {
+    let (mw, mo) = r.medians();
     let ratio = mw / mo;
-    let wall = round.as_secs_f64() * with.len() as f64;
-    let daemon_pct = cpu.as_secs_f64() / wall * 100.0;
-    let tcp_sockets = super::scale::ss_count(&h)?;
-    let mut row = Row {
+    let pair_ratios = r.pair_ratios();
+    let daemon_pct = r.daemon_pct();
+    let scans = r.scans;
+    Row {
         id: "2",
         name: "churn overhead".into(),
         result: format!("{ratio:.3}"),
         figures: format!(
             "median {mw:.0} conn/s attached vs {mo:.0} conn/s detached ({pairs} ABBA pairs of {}s, {WORKERS} workers)",
-            round.as_secs_f64()
+            r.round.as_secs_f64()
         ),
         target: format!("≥ {CHURN_TARGET}"),
         verdict: Verdict::of(ratio >= CHURN_TARGET),
@@ -91,7 +152,7 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
             format!(
                 "Before the rounds, churn filled the namespace's TIME_WAIT table to {tw} of its \
                  {tw_max} cap (the steady state of a busy server). Rounds in order: {}.",
-                log.join(", ")
+                r.log.join(", ")
             ),
             format!(
                 "Ratio of each ABBA pair (attached ÷ detached, in order): {}; their median {:.3} \
@@ -107,22 +168,31 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
                 "While attached: daemon CPU {daemon_pct:.1} % of one core ({scans:.0} scans, mean {}). \
                  The namespace held {tcp_sockets} TCP sockets at the end (mostly the servers' TIME_WAIT), \
                  which every scan iterates.",
-                ms(Duration::from_secs_f64(if scans > 0.0 { scan_s / scans } else { 0.0 }))
+                ms(Duration::from_secs_f64(if scans > 0.0 { r.scan_s / scans } else { 0.0 }))
             ),
         ],
         diagnosis: vec![],
-    };
-    // CPU time per connection (the workers saturate WORKERS cores) and what explains the gap.
-    let us = |rate: f64| WORKERS as f64 / rate * 1e6;
-    let gap = us(mw) - us(mo);
-    let daemon_us = cpu.as_secs_f64() * 1e6 / with_conns.max(1) as f64;
+    }
+}
+
+/// µs of CPU per connection at `rate` connections/s (the workers saturate WORKERS cores).
+fn us_per_conn(rate: f64) -> f64 {
+    WORKERS as f64 / rate * 1e6
+}
+
+/// The costs measured directly (the daemon's CPU here; the tracker's from measure 1) per
+/// connection: the sentence that lists them, and their sum in µs.
+fn accounted_costs(ctx: &Ctx, r: &ChurnRounds) -> (String, f64) {
+    let (mw, mo) = r.medians();
+    let gap = us_per_conn(mw) - us_per_conn(mo);
+    let daemon_pct = r.daemon_pct();
+    let daemon_us = r.cpu.as_secs_f64() * 1e6 / r.with_conns.max(1) as f64;
     let mut explain = format!(
         "Per connection: {:.2} µs of CPU detached, {:.2} µs attached ({gap:+.2} µs). The daemon's \
          own CPU ({daemon_pct:.1} % of one core while attached) is {daemon_us:.2} µs per connection",
-        us(mo),
-        us(mw)
+        us_per_conn(mo),
+        us_per_conn(mw)
     );
-    // What the directly accounted costs predict: the throughput ratio if nothing else changed.
     let mut accounted = daemon_us;
     if let (Some(us), Some(ns), Some(runs)) =
         (ctx.tracker_perf_us, ctx.set_state_ns, ctx.runs_per_conn)
@@ -150,12 +220,22 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
             accounted += runs * d / 1e3;
         }
     }
-    let expected = us(mo) / (us(mo) + accounted);
+    (explain, accounted)
+}
+
+/// CPU time per connection and what explains the gap: details, and the diagnosis of a miss.
+fn explain_churn(ctx: &Ctx, r: &ChurnRounds, row: &mut Row) {
+    let (mw, mo) = r.medians();
+    let ratio = mw / mo;
+    let pair_ratios = r.pair_ratios();
+    let (explain, accounted) = accounted_costs(ctx, r);
+    // What the directly accounted costs predict: the throughput ratio if nothing else changed.
+    let expected = us_per_conn(mo) / (us_per_conn(mo) + accounted);
     let predict = format!(
         "Together these add {accounted:.2} µs to the {:.2} µs a connection costs detached: \
          they alone predict a ratio of ≈ {expected:.3}, against the measured {ratio:.3} (pairs \
          spread {:.3}–{:.3}).",
-        us(mo),
+        us_per_conn(mo),
         pair_ratios.iter().copied().fold(f64::INFINITY, f64::min),
         pair_ratios
             .iter()
@@ -175,9 +255,9 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
                  would have to cost under {:.0} ns per transition with no daemon at all \
                  (see measure 1's count-only floor).",
                 (1.0 - CHURN_TARGET) * 100.0,
-                us(mo),
+                us_per_conn(mo),
                 ctx.runs_per_conn
-                    .map(|runs| us(mo) * (1.0 / CHURN_TARGET - 1.0) / runs * 1e3)
+                    .map(|runs| us_per_conn(mo) * (1.0 / CHURN_TARGET - 1.0) / runs * 1e3)
                     .unwrap_or(f64::NAN)
             ));
         }
@@ -187,7 +267,6 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
              machine's drift between rounds."
         ));
     }
-    Ok(vec![row])
 }
 
 /// Measure 5: from the moment `close_wait_threshold` sockets cross `close_wait_min_age` to the arrival of

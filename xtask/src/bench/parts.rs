@@ -1,11 +1,12 @@
 //! `--probe-parts`: what each part of the state-change program costs, from bench-only builds of
-//! the tracker (`CONNREAP_PROBE_VARIANT`, see agent-ebpf's tracker.rs).
+//! the tracker (a `bench-<variant>` cargo feature of connreap-ebpf each, see agent-ebpf's
+//! tracker.rs; the shipped object has none of them).
 //!
 //! Each variant is measured *at the same time* as the shipped program: two daemons, each with
 //! its own pin root (`CONNREAP_PIN_ROOT`), keep both trackers attached to the tracepoint while
 //! the churn runs, and each reports its own program's bpf_stats. The two see the same
 //! transitions under the same machine state, so the difference is not swamped by the VM's
-//! drift (± 20 % between windows of the same binary here). The program attached first runs first
+//! drift between windows of the same binary. The program attached first runs first
 //! and takes the cache misses on each socket that the second then finds warm, so every pair is
 //! measured in both orders and the two differences averaged: that cancels the order effect,
 //! which is reported too.

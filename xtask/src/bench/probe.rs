@@ -108,16 +108,36 @@ fn table(w: &Window) -> Vec<String> {
     t
 }
 
+/// Measure 1's windows: A (judged) `reps_a` × `dur_a` s with the daemon scanning an empty
+/// namespace every second; B `dur_b` s with it scanning the churn's own namespace every
+/// `interval_b` s.
+struct Plan {
+    reps_a: usize,
+    dur_a: u64,
+    dur_b: u64,
+    interval_b: f64,
+}
+
 pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let load_ns = NetNs::new("probe")?;
     let agent_ns = NetNs::new("probeagent")?;
     let h = load_ns.handle();
-    let (reps_a, dur_a, dur_b, interval_b) = if ctx.smoke {
-        (1, 2, 2, 1.0)
+    let plan = if ctx.smoke {
+        Plan {
+            reps_a: 1,
+            dur_a: 2,
+            dur_b: 2,
+            interval_b: 1.0,
+        }
     } else {
-        (3, 4, 10, 5.0)
+        Plan {
+            reps_a: 3,
+            dur_a: 4,
+            dur_b: 10,
+            interval_b: 5.0,
+        }
     };
-    let (tw, tw_max) = load::warm_up(&h, WORKERS, ctx.warm_up())?;
+    let warm = load::warm_up(&h, WORKERS, ctx.warm_up())?;
     let stats = Sysctl::set("kernel.bpf_stats_enabled", "1")?;
     // A (judged): the daemon scans an empty namespace every second, so nothing else competes
     // with the churn. B: it scans the churn's own namespace at the default interval.
@@ -126,16 +146,16 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
         "probe-a",
         (&agent_ns.handle(), &h),
         1.0,
-        reps_a,
-        Duration::from_secs(dur_a),
+        plan.reps_a,
+        Duration::from_secs(plan.dur_a),
     )?;
     let b = window(
         ctx,
         "probe-b",
         (&h, &h),
-        interval_b,
+        plan.interval_b,
         1,
-        Duration::from_secs(dur_b),
+        Duration::from_secs(plan.dur_b),
     )?;
     let by_parts = if ctx.parts {
         Some(super::parts::measure(ctx, (&agent_ns.handle(), &h))?)
@@ -147,15 +167,56 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
     ctx.idle_kinds = Some(a.kinds.clone());
     ctx.iter_ns = Some((b.per[1].3, b.per[2].3));
     ctx.set_state_ns = Some(a.median());
-    let (_, st_t, st_n, _) = a.per[0];
-    let runs_per_conn = st_n / a.churn.conns.max(1) as f64;
+    let runs_per_conn = a.per[0].2 / a.churn.conns.max(1) as f64;
     // Before the profile, which reports per-transition figures with it.
     ctx.runs_per_conn = Some(runs_per_conn);
     let prof = ctx.perf.then(|| tracker_profile(ctx, &h)).and_then(|p| {
         p.map_err(|e| eprintln!("bench: perf profile of the tracker failed: {e:#}"))
             .ok()
     });
+    let mut row = probe_row(&plan, warm, &a, &b);
+    if let Some((lines, diagnosis)) = by_parts {
+        row.details.extend(lines);
+        if row.verdict == Verdict::Miss {
+            row.diagnosis.push(diagnosis);
+        }
+    }
+    if let Some((details, diagnosis, dispatch_ns, perf_us)) = prof {
+        ctx.dispatch_ns = dispatch_ns;
+        ctx.tracker_perf_us = perf_us;
+        row.details.extend(details);
+        if row.verdict == Verdict::Miss {
+            row.diagnosis.extend(diagnosis);
+        }
+    }
+    if row.verdict == Verdict::Miss {
+        let st_avg = a.median();
+        row.diagnosis.insert(
+            0,
+            format!(
+                "Every TCP transition pays it in-line (syscall or softirq context): {runs_per_conn:.1} \
+                 runs per loopback connection, so {st_avg:.0} ns/run is {:.2} µs per connection \
+                 ({:.0} ns/run while the daemon scans the same namespace).",
+                st_avg * runs_per_conn / 1e3,
+                b.per[0].3
+            ),
+        );
+    }
+    Ok(vec![row])
+}
+
+/// Measure 1's row from windows `a` (judged on its median) and `b`, with both windows' tables.
+/// `(tw, tw_max)`: the TIME_WAIT sockets after the warm-up and their cap.
+fn probe_row(plan: &Plan, (tw, tw_max): (u64, u64), a: &Window, b: &Window) -> Row {
+    let Plan {
+        reps_a,
+        dur_a,
+        dur_b,
+        interval_b,
+    } = *plan;
     let st_avg = a.median();
+    let (_, st_t, st_n, _) = a.per[0];
+    let runs_per_conn = st_n / a.churn.conns.max(1) as f64;
     let reps: Vec<String> = a.reps.iter().map(|r| format!("{r:.0}")).collect();
     let share = st_t / (a.churn.elapsed.as_secs_f64() * 1e9 * WORKERS as f64) * 100.0;
     let b_avg = b.per[0].3;
@@ -180,7 +241,7 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
         )],
         diagnosis: vec![],
     };
-    row.details.extend(table(&a));
+    row.details.extend(table(a));
     row.details.push(format!(
         "\nThe tracepoint ran {st_n:.0} times for {:.0} TCP transitions counted by the program and {} \
          connections ({runs_per_conn:.1} runs per connection); its run time is {share:.2} % of the \
@@ -191,33 +252,8 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
         a.churn.conns,
         b.churn.rate()
     ));
-    row.details.extend(table(&b));
-    if let Some((lines, diagnosis)) = by_parts {
-        row.details.extend(lines);
-        if row.verdict == Verdict::Miss {
-            row.diagnosis.push(diagnosis);
-        }
-    }
-    if let Some((details, diagnosis, dispatch_ns, perf_us)) = prof {
-        ctx.dispatch_ns = dispatch_ns;
-        ctx.tracker_perf_us = perf_us;
-        row.details.extend(details);
-        if row.verdict == Verdict::Miss {
-            row.diagnosis.extend(diagnosis);
-        }
-    }
-    if row.verdict == Verdict::Miss {
-        row.diagnosis.insert(
-            0,
-            format!(
-                "Every TCP transition pays it in-line (syscall or softirq context): {runs_per_conn:.1} \
-                 runs per loopback connection, so {st_avg:.0} ns/run is {:.2} µs per connection \
-                 ({b_avg:.0} ns/run while the daemon scans the same namespace).",
-                st_avg * runs_per_conn / 1e3
-            ),
-        );
-    }
-    Ok(vec![row])
+    row.details.extend(table(b));
+    row
 }
 
 /// `perf record -a` over a churn window: the tracker's kernel symbols by part.

@@ -124,7 +124,7 @@ pub fn timed(cmd: &mut Command, timeout: Duration) -> Result<Timed> {
     let mut status = 0;
     // SAFETY: reaping our exited child; rusage is plain data.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
-    // SAFETY: as above.
+    // SAFETY: reaping our own exited child into a valid status and rusage.
     if unsafe { libc::wait4(pid, &mut status, 0, &mut ru) } != pid {
         bail!("wait4: {}", std::io::Error::last_os_error());
     }

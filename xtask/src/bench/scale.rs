@@ -216,6 +216,58 @@ fn profile_line(ctx: &Ctx, h: &NsHandle, tag: &str, place: &str) -> String {
     }
 }
 
+/// One size's snapshot runs: what the snapshot and `ss` saw, and the median times.
+struct SnapshotRun {
+    /// Sockets in the snapshot, with an owner, with an exact age; and in `ss -tan`.
+    seen: usize,
+    owned: usize,
+    exact: usize,
+    ss_seen: usize,
+    /// Open files host-wide (what iter/task_file and `ss -p` walk).
+    files: usize,
+    runs: usize,
+    /// Medians of `connreap snapshot --json`, `ss -tanp`, `ss -tan`.
+    snap: Timed,
+    ssp: Timed,
+    ss: Timed,
+    split: ScanSplit,
+}
+
+impl SnapshotRun {
+    /// Check the snapshot sees the sockets, then time it against `ss` (medians of `runs`
+    /// rounds) and split its time from its debug lines.
+    fn measure(h: &NsHandle, runs: usize) -> Result<SnapshotRun> {
+        let (seen, owned, exact) = verify_snapshot(h)?;
+        let ss_seen = ss_count(h)?;
+        let timeout = Duration::from_secs(120);
+        let (mut snap, mut ssp, mut ss) = (Vec::new(), Vec::new(), Vec::new());
+        for _ in 0..runs {
+            snap.push(proc::timed(&mut snapshot_cmd(h), timeout)?);
+            ssp.push(proc::timed(h.command("ss").arg("-tanp"), timeout)?);
+            ss.push(proc::timed(h.command("ss").arg("-tan"), timeout)?);
+        }
+        let (snap, ssp, ss) = (median(snap), median(ssp), median(ss));
+        let split = ScanSplit::measure(h, runs)?;
+        Ok(SnapshotRun {
+            seen,
+            owned,
+            exact,
+            ss_seen,
+            files: host_open_files(),
+            runs,
+            snap,
+            ssp,
+            ss,
+            split,
+        })
+    }
+
+    /// The snapshot's kernel part (the longer iterator) relative to `ss -tanp`.
+    fn kernel_vs_ssp(&self) -> f64 {
+        self.split.kernel().as_secs_f64() / self.ssp.wall.as_secs_f64().max(1e-9)
+    }
+}
+
 fn snapshot_rows(
     ctx: &mut Ctx,
     h: &NsHandle,
@@ -225,23 +277,41 @@ fn snapshot_rows(
     fixed: String,
     profile_it: bool,
 ) -> Result<Vec<Row>> {
-    let (seen, owned, exact) = verify_snapshot(h)?;
-    let ss_seen = ss_count(h)?;
     let runs = if ctx.smoke { 3 } else { 5 };
-    let timeout = Duration::from_secs(120);
-    let (mut snap, mut ssp, mut ss) = (Vec::new(), Vec::new(), Vec::new());
-    for _ in 0..runs {
-        snap.push(proc::timed(&mut snapshot_cmd(h), timeout)?);
-        ssp.push(proc::timed(h.command("ss").arg("-tanp"), timeout)?);
-        ss.push(proc::timed(h.command("ss").arg("-tan"), timeout)?);
+    let run = SnapshotRun::measure(h, runs)?;
+    let mut details = snapshot_table(&run, held);
+    let mut diagnosis = snapshot_diagnosis(ctx, &run, empty, &fixed);
+    let split_line = split_line(&run);
+    diagnosis.push(split_line.clone());
+    details.push(format!("\n{fixed}"));
+    details.push(format!("\n{split_line}"));
+    if profile_it {
+        let line = profile_line(ctx, h, "snapshot", "with the sockets");
+        if !line.is_empty() {
+            let line = line.trim_start().to_string();
+            details.push(format!("\n{line}"));
+            diagnosis.push(line);
+        }
     }
-    let (snap, ssp, ss) = (median(snap), median(ssp), median(ss));
-    let split = ScanSplit::measure(h, runs)?;
-    let r_ssp = snap.wall.as_secs_f64() / ssp.wall.as_secs_f64();
-    let r_ss = snap.wall.as_secs_f64() / ss.wall.as_secs_f64();
-    let files = host_open_files();
-    let name = format!("snapshot @ {seen} sockets ({tag})");
-    let details = vec![
+    let rows = ratio_rows(&run, tag, details, &diagnosis);
+    if run.seen < held {
+        bail!("the snapshot saw {} sockets but {held} are held", run.seen);
+    }
+    Ok(rows)
+}
+
+/// The first details: what was seen, and the table of median times.
+fn snapshot_table(run: &SnapshotRun, held: usize) -> Vec<String> {
+    let (seen, owned, exact, ss_seen, files, runs) = (
+        run.seen,
+        run.owned,
+        run.exact,
+        run.ss_seen,
+        run.files,
+        run.runs,
+    );
+    let (snap, ssp, ss) = (&run.snap, &run.ssp, &run.ss);
+    vec![
         format!(
             "{held} sockets held by the holders; the snapshot saw {seen} ({owned} with an owner, {exact} with \
              an exact age), `ss -tan` {ss_seen}. {files} open files host-wide (what iter/task_file and \
@@ -260,7 +330,13 @@ fn snapshot_rows(
             ms(ss.user),
             ms(ss.sys)
         ),
-    ];
+    ]
+}
+
+/// Where the snapshot's time goes: the fixed cost (`fixed`, measured on `empty`), the growth
+/// with the sockets, and the iterators' share of it.
+fn snapshot_diagnosis(ctx: &Ctx, run: &SnapshotRun, empty: &Timed, fixed: &str) -> Vec<String> {
+    let (snap, seen, files) = (&run.snap, run.seen, run.files);
     let per_socket = snap.wall.saturating_sub(empty.wall).as_secs_f64() / seen.max(1) as f64;
     let mut diagnosis = vec![
         format!(
@@ -269,7 +345,7 @@ fn snapshot_rows(
             ms(snap.user),
             ms(snap.sys)
         ),
-        fixed.clone(),
+        fixed.to_string(),
         if snap.wall > empty.wall {
             format!(
                 "The rest, {}, grows with the sockets: {:.1} µs per socket.",
@@ -290,8 +366,13 @@ fn snapshot_rows(
             ))
         ));
     }
-    let kernel_vs_ssp = split.kernel().as_secs_f64() / ssp.wall.as_secs_f64().max(1e-9);
-    let split_line = format!(
+    diagnosis
+}
+
+/// The snapshot's own split of its time (its debug lines).
+fn split_line(run: &SnapshotRun) -> String {
+    let (split, runs, kernel_vs_ssp) = (&run.split, run.runs, run.kernel_vs_ssp());
+    format!(
         "Inside the snapshot (its `RUST_LOG=connreap::scan=debug,connreap::snapshot=debug` lines, \
          median of {runs} more runs): opening the pinned programs and maps took {}; the two dumps \
          run at the same time, on two threads, and took {} together: the socket dump {} ({} of it \
@@ -309,38 +390,41 @@ fn snapshot_rows(
         ms(split.merge),
         ms(split.output),
         ms(split.kernel()),
-    );
-    diagnosis.push(split_line.clone());
-    let mut details = details;
-    details.push(format!("\n{fixed}"));
-    details.push(format!("\n{split_line}"));
-    if profile_it {
-        let line = profile_line(ctx, h, "snapshot", "with the sockets");
-        if !line.is_empty() {
-            let line = line.trim_start().to_string();
-            details.push(format!("\n{line}"));
-            diagnosis.push(line);
-        }
-    }
+    )
+}
+
+/// The two rows of measure 3: the snapshot against `ss -tanp` (with `details`) and against
+/// `ss -tan`, each with `diagnosis` when it misses its target.
+fn ratio_rows(
+    run: &SnapshotRun,
+    tag: &str,
+    details: Vec<String>,
+    diagnosis: &[String],
+) -> Vec<Row> {
+    let (snap, ssp, ss) = (&run.snap, &run.ssp, &run.ss);
+    let name = format!("snapshot @ {} sockets ({tag})", run.seen);
+    let r_ssp = snap.wall.as_secs_f64() / ssp.wall.as_secs_f64();
+    let r_ss = snap.wall.as_secs_f64() / ss.wall.as_secs_f64();
     let mk = |id, vs: &str, r: f64, target: f64, base: &Timed| Row {
         id,
         name: format!("{name} vs {vs}"),
         result: format!("{r:.3}×"),
-        figures: format!("connreap {}; {vs} {}", fmt_t(&snap), fmt_t(base)),
+        figures: format!("connreap {}; {vs} {}", fmt_t(snap), fmt_t(base)),
         target: format!("≤ {target}×"),
         verdict: Verdict::of(r <= target),
         details: vec![],
         diagnosis: if r <= target {
             vec![]
         } else {
-            diagnosis.clone()
+            diagnosis.to_vec()
         },
     };
-    let mut a = mk("3", "ss -tanp", r_ssp, VS_SSP, &ssp);
+    let mut a = mk("3", "ss -tanp", r_ssp, VS_SSP, ssp);
     a.details = details;
     // The kernel's own dump (`ss -tan`, no owners) bounds what any owner-attributing tool can
     // reach: when even that floor is above the ss -tanp target, say so first.
     let floor = ss.wall.as_secs_f64() / ssp.wall.as_secs_f64().max(1e-9);
+    let kernel_vs_ssp = run.kernel_vs_ssp();
     if a.verdict == Verdict::Miss && kernel_vs_ssp > VS_SSP {
         a.diagnosis.insert(
             0,
@@ -362,14 +446,11 @@ fn snapshot_rows(
             ),
         );
     }
-    let mut b = mk("3", "ss -tan", r_ss, VS_SS, &ss);
+    let mut b = mk("3", "ss -tan", r_ss, VS_SS, ss);
     if a.verdict == Verdict::Miss && b.verdict == Verdict::Miss {
         b.diagnosis = vec!["Same runs and causes as the row above.".into()];
     }
-    if seen < held {
-        bail!("the snapshot saw {seen} sockets but {held} are held");
-    }
-    Ok(vec![a, b])
+    vec![a, b]
 }
 
 /// Kept for the report: `ss` version string.
