@@ -14,68 +14,24 @@ use connreap_tests::fixtures::{
     SsSocket, TempNetns, WebhookReceiver,
 };
 use connreap_tests::fixtures::{http::connect, ss_tcp};
+use connreap_tests::harness::{program, Chain, ChainAddrs, INSTANCE_SIM, READY_TIMEOUT};
 use serde_json::{json, Value};
 
 const T: Duration = Duration::from_secs(5);
-const READY: Duration = Duration::from_secs(10);
-
-fn s(a: SocketAddr) -> String {
-    a.to_string()
-}
-
-fn relay_status(status: SocketAddr) -> Value {
-    let (code, v) = get_json(status, "/status", T).expect("relay /status");
-    assert_eq!(code, 200);
-    v
-}
-
-fn streams(status: SocketAddr) -> u64 {
-    relay_status(status)["endpoints"][0]["streams"]
-        .as_u64()
-        .expect("endpoints[0].streams")
-}
-
-fn assert_json_ok(proxy: SocketAddr) {
-    let (code, body) = http_get(proxy, "/json", T).expect("GET /json through the proxy");
-    assert_eq!(code, 200, "body: {body:?}");
-    assert!(!body.is_empty(), "200 but empty body");
-    let v: Value = serde_json::from_str(&body).expect("JSON body");
-    assert_eq!(v["ok"], json!(true));
-}
 
 #[test]
 fn incident1_chain_leaks_fills_quota_and_recovers_on_proxy_restart() {
-    let bin_instance = env!("CARGO_BIN_EXE_instance-sim");
-    let bin_relay = env!("CARGO_BIN_EXE_relay-sim");
-    let bin_proxy = env!("CARGO_BIN_EXE_leaky-proxy");
-    let (inst, dial, status, proxy) = (free_addr(), free_addr(), free_addr(), free_addr());
-
-    let _instance = ReadyChild::spawn(bin_instance, ["--listen", &s(inst)], READY).unwrap();
-    let relay = ReadyChild::spawn(
-        bin_relay,
-        [
-            "--dial",
-            &format!("{dial}={inst}"),
-            "--status",
-            &s(status),
-            "--max-streams",
-            "4",
-        ],
-        READY,
-    )
-    .unwrap();
-    let proxy_args = [
-        "--listen".to_string(),
-        s(proxy),
-        "--upstream".into(),
-        s(dial),
-    ];
-    let mut leaky = ReadyChild::spawn(bin_proxy, &proxy_args, READY).unwrap();
+    let mut chain = Chain::spawn(None, ChainAddrs::free(4));
+    let ChainAddrs {
+        instance: inst,
+        dial,
+        proxy,
+        ..
+    } = chain.addrs;
 
     // The relay's status document has the documented shape.
-    let st = relay_status(status);
     assert_eq!(
-        st,
+        chain.status(),
         relay_status_json(
             &[EndpointStatus {
                 port: inst.port(),
@@ -90,41 +46,60 @@ fn incident1_chain_leaks_fills_quota_and_recovers_on_proxy_restart() {
     );
 
     // The real path works: 200 WITH a body, and the stream is released afterwards.
-    assert_json_ok(proxy);
+    chain.assert_json_ok();
     assert!(
-        wait_until(T, || streams(status) == 0),
+        wait_until(T, || chain.streams() == 0),
         "stream not released"
     );
 
-    // Four users open a quiet SSE page and give up after a second.
-    let ab = abandon_requests(proxy, "/events", 4, Duration::from_secs(1)).unwrap();
-    assert_eq!(ab.connected, 4);
-    assert_eq!(
-        ab.responded, 4,
-        "SSE head should reach the clients before they leave"
-    );
-
+    // Four users open a quiet SSE page and give up after a second ...
+    chain.leak(4, Duration::from_secs(1));
     // ... and the quota is full, for good.
-    assert!(
-        wait_until(T, || streams(status) == 4),
-        "{}",
-        relay_status(status)
-    );
-    let st = relay_status(status);
+    assert!(wait_until(T, || chain.streams() == 4), "{}", chain.status());
+    let st = chain.status();
     assert_eq!(st["streamsOpened"], json!(5));
     assert_eq!(st["dialDenied"], json!(0));
 
     // Every new request is refused by the relay and answered 503 busy by the proxy.
-    let (code, body) = http_get(proxy, "/json", T).unwrap();
+    let (code, body) = chain.get_json();
     assert_eq!((code, body.as_str()), (503, "busy"));
-    let st = relay_status(status);
+    let st = chain.status();
     assert_eq!(st["dialDenied"], json!(1));
     assert_eq!(st["refused"], json!(1));
     assert_eq!(st["endpoints"][0]["streams"], json!(4));
 
-    // What the operators saw with `ss -tn`: 4 idle ESTABLISHED pairs proxy<->relay (held by
-    // the proxy and the relay) and 4 relay<->instance, all with empty queues; the clients'
-    // sockets to the proxy are gone.
+    assert_idle_pairs_as_ss_shows_them(&chain);
+
+    // Only a restart of the proxy frees it.
+    chain.kill_proxy();
+    assert!(wait_until(T, || chain.streams() == 0), "{}", chain.status());
+    assert!(wait_until(T, || {
+        ss_established_on_port(None, dial.port()).is_ok_and(|v| v.is_empty())
+            && ss_established_on_port(None, inst.port()).is_ok_and(|v| v.is_empty())
+    }));
+    chain.restart_proxy();
+    chain.assert_json_ok();
+    assert!(wait_until(T, || chain.streams() == 0));
+
+    // A busy long-lived stream works through the chain; a client leaving it leaks it too
+    // (the proxy keeps draining the upstream), although it is never idle.
+    let ab = abandon_requests(proxy, "/ticks", 1, Duration::from_millis(1200)).unwrap();
+    assert_eq!(ab.responded, 1);
+    assert!(wait_until(T, || chain.streams() == 1), "{}", chain.status());
+    std::thread::sleep(Duration::from_millis(300));
+    assert_eq!(chain.streams(), 1, "leaked streams are never reclaimed");
+}
+
+/// What the operators saw with `ss -tn`: 4 idle ESTABLISHED pairs proxy<->relay (held by the
+/// proxy and the relay) and 4 relay<->instance, all with empty queues; the clients' sockets
+/// to the proxy are gone.
+fn assert_idle_pairs_as_ss_shows_them(chain: &Chain) {
+    let ChainAddrs {
+        instance: inst,
+        dial,
+        proxy,
+        ..
+    } = chain.addrs;
     let mut last: Vec<SsSocket> = Vec::new();
     let ok = wait_until(T, || {
         let (Ok(d), Ok(i), Ok(p)) = (
@@ -142,10 +117,10 @@ fn incident1_chain_leaks_fills_quota_and_recovers_on_proxy_restart() {
         let owners_ok = d
             .iter()
             .filter(|x| x.peer == dial)
-            .all(|x| x.pids.is_empty() || x.pids.contains(&leaky.pid()))
+            .all(|x| x.pids.is_empty() || x.pids.contains(&chain.proxy_pid()))
             && d.iter()
                 .filter(|x| x.local == dial)
-                .all(|x| x.pids.is_empty() || x.pids.contains(&relay.pid()));
+                .all(|x| x.pids.is_empty() || x.pids.contains(&chain.relay_pid()));
         last = d.into_iter().chain(i).chain(p.iter().cloned()).collect();
         proxy_side == 4
             && relay_side == 4
@@ -156,42 +131,15 @@ fn incident1_chain_leaks_fills_quota_and_recovers_on_proxy_restart() {
             && p.is_empty()
     });
     assert!(ok, "unexpected sockets: {last:#?}");
-
-    // Only a restart of the proxy frees it.
-    leaky.kill().unwrap();
-    assert!(
-        wait_until(T, || streams(status) == 0),
-        "{}",
-        relay_status(status)
-    );
-    assert!(wait_until(T, || {
-        ss_established_on_port(None, dial.port()).is_ok_and(|v| v.is_empty())
-            && ss_established_on_port(None, inst.port()).is_ok_and(|v| v.is_empty())
-    }));
-    let _leaky2 = ReadyChild::spawn(bin_proxy, &proxy_args, READY).unwrap();
-    assert_json_ok(proxy);
-    assert!(wait_until(T, || streams(status) == 0));
-
-    // A busy long-lived stream works through the chain; a client leaving it leaks it too
-    // (the proxy keeps draining the upstream), although it is never idle.
-    let ab = abandon_requests(proxy, "/ticks", 1, Duration::from_millis(1200)).unwrap();
-    assert_eq!(ab.responded, 1);
-    assert!(
-        wait_until(T, || streams(status) == 1),
-        "{}",
-        relay_status(status)
-    );
-    std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(streams(status), 1, "leaked streams are never reclaimed");
 }
 
 #[test]
 fn ticks_stream_is_busy() {
     let inst = free_addr();
     let _instance = ReadyChild::spawn(
-        env!("CARGO_BIN_EXE_instance-sim"),
-        ["--listen", &s(inst)],
-        READY,
+        program(INSTANCE_SIM),
+        ["--listen", &inst.to_string()],
+        READY_TIMEOUT,
     )
     .unwrap();
     // A raw reader: head, then tick 0 at once and tick 1 about a second later.
@@ -359,9 +307,9 @@ fn netns_variants() {
     let inst: SocketAddr = "127.0.0.1:21000".parse().unwrap();
     let child = ReadyChild::spawn_in_netns(
         n,
-        env!("CARGO_BIN_EXE_instance-sim"),
+        program(INSTANCE_SIM),
         ["--listen", "127.0.0.1:21000"],
-        READY,
+        READY_TIMEOUT,
     )
     .unwrap();
     let (code, body) = http_get_in_netns(n, inst, "/json", T).unwrap();

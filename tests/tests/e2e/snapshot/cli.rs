@@ -1,0 +1,70 @@
+//! The command line around the snapshot: bad filters and a reader that stops early.
+
+use connreap_tests::harness::{peer, require_privileges, run, NetNs, CONNREAP_TIMEOUT};
+
+#[test]
+fn bad_filters_fail_with_one_line_errors() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let ns = NetNs::new("bad");
+    for (args, names) in [
+        (&["--port", "http"][..], "invalid port `http`"),
+        (&["--port", "80,70000"][..], "invalid port `70000`"),
+        (&["--state", "BOGUS"][..], "BOGUS"),
+        (&["--pid", "self"][..], "invalid pid `self`"),
+        (&["--idle-min", "soon"][..], "invalid idle-min `soon`"),
+    ] {
+        let mut cmd = ns.connreap(["snapshot", "--json"]);
+        cmd.args(args);
+        let out = run(&mut cmd, CONNREAP_TIMEOUT);
+        let ctx = format!("connreap snapshot --json {}: {out:?}", args.join(" "));
+        assert!(
+            out.status.code().is_some_and(|c| c != 0),
+            "must exit non-zero: {ctx}"
+        );
+        assert!(!out.stderr.contains("panicked"), "{ctx}");
+        assert_eq!(out.stderr.trim().lines().count(), 1, "one line: {ctx}");
+        assert!(out.stderr.starts_with("connreap: "), "{ctx}");
+        assert!(out.stderr.contains(names), "must name the cause: {ctx}");
+        assert!(out.stdout.is_empty(), "no JSON on failure: {ctx}");
+    }
+}
+
+/// `connreap snapshot | head`: a reader that stops early ends the snapshot quietly, with
+/// success, in both output formats (no panic, no error message; logs may remain).
+#[test]
+fn a_reader_that_stops_early_is_no_error() {
+    use std::{io::Read as _, process::Stdio};
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let ns = NetNs::new("pipe");
+    let (_server, _) = peer(&ns, &["listen", "--addr", "127.0.0.1:7700"]);
+    // 2000 sockets: either format is well over a pipe's 64 KiB buffer.
+    let (_client, _) = peer(
+        &ns,
+        &["connect", "--addr", "127.0.0.1:7700", "--count", "1000"],
+    );
+    for args in [&["snapshot"][..], &["snapshot", "--json"]] {
+        let mut child = ns
+            .connreap(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .expect("start connreap");
+        let mut stdout = child.stdout.take().expect("piped stdout");
+        let mut head = [0u8; 16];
+        stdout.read_exact(&mut head).expect("the first bytes");
+        drop(stdout);
+        let out = child.wait_with_output().expect("wait for connreap");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            out.status.success() && !stderr.contains("panicked") && !stderr.contains("connreap: "),
+            "`connreap {}` | head: {}\n{stderr}",
+            args.join(" "),
+            out.status
+        );
+    }
+}
