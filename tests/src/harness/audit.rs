@@ -94,7 +94,7 @@ pub fn assert_decision_shape(d: &Value) {
         assert!(d.get(k).is_some(), "`{k}` missing: {d}");
     }
     assert!(
-        ["would-kill", "killed", "skipped", "failed"].contains(&text(d, "result")),
+        ["kill-intent", "would-kill", "killed", "skipped", "failed"].contains(&text(d, "result")),
         "{d}"
     );
 }

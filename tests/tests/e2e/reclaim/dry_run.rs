@@ -76,16 +76,27 @@ fn upstreams(chain: &Chain) -> BTreeSet<SocketAddr> {
         .collect()
 }
 
-/// Several rounds decide `would-kill` on leaked upstreams, at most 8 each, and none kills.
+/// Rounds decide `would-kill` on leaked upstreams, at most 8 each, and none kills; repeated
+/// rounds count in the metric but write each unchanged decision to the audit log once.
 /// Returns those decisions.
 fn would_kill_rounds(chain: &Chain, agent: &Agent, leaked: &BTreeSet<SocketAddr>) -> Vec<Value> {
-    let lines = wait_until(Duration::from_secs(2) + SCAN * 8, POLL, || {
+    wait_until(Duration::from_secs(2) + SCAN * 8, POLL, || {
         let lines = agent.audit();
         // Stop early on a kill: asserted just below.
-        (per_round(&lines, "would-kill").len() >= 3 || !result_is(&lines, "killed").is_empty())
-            .then_some(lines)
+        (!result_is(&lines, "would-kill").is_empty() || !result_is(&lines, "killed").is_empty())
+            .then_some(())
     })
-    .unwrap_or_else(|| panic!("no three would-kill rounds:\n{}", agent.ctx()));
+    .unwrap_or_else(|| panic!("no would-kill round:\n{}", agent.ctx()));
+    let series = r#"connreap_reclaims_total{policy="relay-leaks",result="would-kill"}"#;
+    let before = agent.metric(series).unwrap_or(0.0);
+    agent.wait_scans(agent.scans() + 3);
+    let after = agent.metric(series).unwrap_or(0.0);
+    assert!(
+        after >= before + 16.0,
+        "would-kill decided every round ({before} -> {after}):\n{}",
+        agent.ctx()
+    );
+    let lines = agent.audit();
     let would: Vec<Value> = result_is(&lines, "would-kill")
         .into_iter()
         .cloned()
@@ -97,6 +108,13 @@ fn would_kill_rounds(chain: &Chain, agent: &Agent, leaked: &BTreeSet<SocketAddr>
             "would-kill names a socket that is not a leaked upstream: {d}"
         );
     }
+    let locals: BTreeSet<&str> = would.iter().map(|d| text(d, "local")).collect();
+    assert_eq!(
+        locals.len(),
+        would.len(),
+        "an unchanged would-kill is audited once:\n{}",
+        agent.ctx()
+    );
     for (round, n) in per_round(&lines, "would-kill") {
         assert!(
             n <= 8,
