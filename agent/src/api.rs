@@ -123,7 +123,12 @@ async fn sockets(
     };
     let filter = match args.parse() {
         Ok(f) => f,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("{:#}", anyhow::Error::new(e)),
+            )
+        }
     };
     loop {
         // Registered before the check, so a publication between the two is not missed.
@@ -238,7 +243,9 @@ async fn reclaim(
     let result = tokio::task::spawn_blocking(move || {
         let quotas = st2.read().quotas.clone();
         let mut scanner = st2.scanner.lock().unwrap_or_else(|e| e.into_inner());
-        let table = scanner.scan().map_err(|e| e.to_string())?;
+        let table = scanner
+            .scan()
+            .map_err(|e| format!("{:#}", anyhow::Error::new(e)))?;
         let mut reclaimer = st2.reclaimer.lock().unwrap_or_else(|e| e.into_inner());
         Ok::<_, String>(reclaimer.round(
             &policy,

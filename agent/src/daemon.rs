@@ -11,7 +11,7 @@ use connreap_ebpf::tcp_state;
 use tokio::io::unix::AsyncFd;
 
 use crate::{
-    alert::{rfc3339, Tracker},
+    alert::Tracker,
     api::{self, AppState},
     config::{Config, QuotaConfig},
     detect::{self, ConnKey, Memory, StormTracker},
@@ -87,7 +87,7 @@ async fn read_events(
                 }
                 Err(e) if !flush_failing => {
                     flush_failing = true;
-                    tracing::warn!(error = %e, "cannot flush the per-CPU event batches; events arrive in full batches only");
+                    tracing::warn!(error = %format_args!("{:#}", anyhow::Error::new(e)), "cannot flush the per-CPU event batches; events arrive in full batches only");
                 }
                 Err(_) => {}
             }
@@ -223,7 +223,7 @@ pub fn after_round(st: &AppState, round: &RoundResult) {
         "processes": processes,
         "quota": round.quota,
         "sockets": sockets,
-        "time": rfc3339(chrono::Utc::now()),
+        "time": crate::present::rfc3339(chrono::Utc::now()),
     }));
 }
 
@@ -248,13 +248,13 @@ impl Loop {
         .await;
         match res {
             Ok(Ok(v)) => Ok(v),
-            Ok(Err(e)) => Err(e.to_string()),
+            Ok(Err(e)) => Err(format!("{:#}", anyhow::Error::new(e))),
             Err(e) => Err(format!("scan task failed: {e}")),
         }
     }
 
     fn quotas(&self, table: &[Socket]) -> Vec<QuotaStatus> {
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let now = crate::present::rfc3339_ms(chrono::Utc::now());
         let http = lock(&self.http_quotas);
         self.cfg
             .quota

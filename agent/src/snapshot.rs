@@ -6,7 +6,10 @@ use std::{fmt::Write as _, time::Duration};
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::{Deserialize, Serialize};
 
-use crate::table::{Socket, TcpState};
+use crate::{
+    present::{self, human},
+    table::{ParseStateError, Socket, TcpState},
+};
 
 /// Filters as given on the command line or in a query string (comma-separated lists).
 #[derive(Debug, Default, Clone, clap::Args, Deserialize)]
@@ -38,35 +41,80 @@ pub struct Filter {
     pub idle_min: Option<Duration>,
 }
 
-fn list<T>(
-    v: &Option<String>,
-    what: &str,
-    parse: impl Fn(&str) -> Result<T, String>,
-) -> Result<Vec<T>, String> {
+/// A filter value that does not parse, and why.
+#[derive(Debug, thiserror::Error)]
+pub enum FilterError {
+    #[error("invalid state `{value}`")]
+    State {
+        value: String,
+        #[source]
+        source: ParseStateError,
+    },
+    #[error("invalid port `{value}`")]
+    Port {
+        value: String,
+        #[source]
+        source: std::num::ParseIntError,
+    },
+    #[error("invalid pid `{value}`")]
+    Pid {
+        value: String,
+        #[source]
+        source: std::num::ParseIntError,
+    },
+    #[error("invalid idle-min `{value}`")]
+    IdleMin {
+        value: String,
+        #[source]
+        source: humantime::DurationError,
+    },
+}
+
+/// The items of a comma-separated list.
+fn items(v: &Option<String>) -> impl Iterator<Item = &str> {
     v.iter()
         .flat_map(|s| s.split(','))
         .map(str::trim)
         .filter(|s| !s.is_empty())
-        .map(|s| parse(s).map_err(|e| format!("invalid {what} `{s}`: {e}")))
-        .collect()
 }
 
 impl FilterArgs {
-    pub fn parse(&self) -> Result<Filter, String> {
+    pub fn parse(&self) -> Result<Filter, FilterError> {
+        let value = String::from;
         Ok(Filter {
-            states: list(&self.state, "state", |s| s.parse())?,
-            ports: list(&self.port, "port", |s| {
-                s.parse::<u16>().map_err(|e| e.to_string())
-            })?,
-            pids: list(&self.pid, "pid", |s| {
-                s.parse::<u32>().map_err(|e| e.to_string())
-            })?,
-            comms: list(&self.comm, "comm", |s| Ok(s.to_string()))?,
+            states: items(&self.state)
+                .map(|v| {
+                    v.parse().map_err(|source| FilterError::State {
+                        value: value(v),
+                        source,
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            ports: items(&self.port)
+                .map(|v| {
+                    v.parse().map_err(|source| FilterError::Port {
+                        value: value(v),
+                        source,
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            pids: items(&self.pid)
+                .map(|v| {
+                    v.parse().map_err(|source| FilterError::Pid {
+                        value: value(v),
+                        source,
+                    })
+                })
+                .collect::<Result<_, _>>()?,
+            comms: items(&self.comm).map(value).collect(),
             idle_min: self
                 .idle_min
                 .as_deref()
-                .map(|s| {
-                    humantime::parse_duration(s).map_err(|e| format!("invalid idle-min `{s}`: {e}"))
+                .map(|v| {
+                    humantime::parse_duration(v).map_err(|source| FilterError::IdleMin {
+                        value: value(v),
+                        source,
+                    })
                 })
                 .transpose()?,
         })
@@ -98,15 +146,11 @@ pub struct Group {
     pub service_port: u16,
     pub state: TcpState,
     pub count: usize,
-    #[serde(serialize_with = "secs")]
+    #[serde(serialize_with = "present::secs")]
     pub oldest_age_secs: Duration,
     /// False when any age in the group is only a lower bound.
     pub oldest_age_exact: bool,
     pub idle_count: usize,
-}
-
-fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
 }
 
 /// Group sockets, largest group first.
@@ -288,18 +332,6 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     w.write_all(b"}").map_err(io)
 }
 
-/// Compact human duration: 850ms, 42s, 3m12s, 2h05m, 3d04h.
-pub fn human(d: Duration) -> String {
-    let s = d.as_secs();
-    match s {
-        0 => format!("{}ms", d.subsec_millis()),
-        1..=59 => format!("{s}s"),
-        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
-        3600..=86399 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
-        _ => format!("{}d{:02}h", s / 86400, (s % 86400) / 3600),
-    }
-}
-
 fn age_str(s: &Socket) -> String {
     if s.age_exact {
         human(s.age)
@@ -377,6 +409,8 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
 
 #[cfg(test)]
 mod tests {
+    use std::error::Error as _;
+
     use super::*;
     use crate::table::{Direction, Owner};
 
@@ -435,14 +469,25 @@ mod tests {
         }
         .parse()
         .unwrap_err();
-        assert!(e.contains("invalid port `http`"), "{e}");
+        assert_eq!(e.to_string(), "invalid port `http`");
+        assert!(e.source().is_some_and(|c| c.to_string().contains("digit")));
         let e = FilterArgs {
             idle_min: Some("soon".into()),
             ..Default::default()
         }
         .parse()
         .unwrap_err();
-        assert!(e.contains("idle-min"), "{e}");
+        assert!(e.to_string().contains("idle-min `soon`"), "{e}");
+        let e = FilterArgs {
+            state: Some("bogus".into()),
+            ..Default::default()
+        }
+        .parse()
+        .unwrap_err();
+        assert_eq!(e.to_string(), "invalid state `bogus`");
+        assert!(e
+            .source()
+            .is_some_and(|c| c.to_string().contains("CLOSE_WAIT")));
     }
 
     #[test]
@@ -566,12 +611,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn human_durations() {
-        assert_eq!(human(Duration::from_millis(850)), "850ms");
-        assert_eq!(human(Duration::from_secs(192)), "3m12s");
-        assert_eq!(human(Duration::from_secs(7500)), "2h05m");
     }
 }

@@ -41,7 +41,7 @@ pub fn body(alert: &Alert, format: WebhookFormat, repeat: Duration) -> Value {
             // alerts expire instead of firing forever; resolved alerts end now.
             let ends_at = match (&alert.status, &alert.ended_at) {
                 (Status::Resolved, Some(end)) => end.clone(),
-                _ => crate::alert::rfc3339(
+                _ => crate::present::rfc3339(
                     chrono::Utc::now()
                         + chrono::Duration::from_std(repeat * 2)
                             .unwrap_or(chrono::Duration::hours(2)),
@@ -117,7 +117,7 @@ impl Webhooks {
         self.enqueue(|format| match format {
             WebhookFormat::Json => event.clone(),
             WebhookFormat::Alertmanager => {
-                let now = crate::alert::rfc3339(chrono::Utc::now());
+                let now = crate::present::rfc3339(chrono::Utc::now());
                 json!([{
                     "labels": {
                         "alertname": event.get("kind").cloned().unwrap_or(json!("event")),

@@ -2,12 +2,12 @@
 use rustc_hash::FxHashMap;
 
 use super::{
-    describe_owners, local_pairs, oldest_briefs, processes, round3, Finding, Input, Kind, QuotaRef,
+    describe_owners, local_pairs, oldest_briefs, processes, Finding, Input, Kind, QuotaRef,
 };
 use crate::{
     config::QuotaConfig,
+    present::{human, round_secs},
     quota::{static_sockets, QuotaEntry, QuotaStatus},
-    snapshot::human,
     table::{Direction, Socket, TcpState},
 };
 
@@ -128,7 +128,7 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
             );
             f.service_port = Some(entry.port);
             f.count = conns.len();
-            f.oldest_age_secs = round3(oldest);
+            f.oldest_age_secs = round_secs(oldest);
             f.processes = procs;
             f.quota = Some(QuotaRef {
                 name: status.name.clone(),

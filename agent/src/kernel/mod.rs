@@ -1,6 +1,7 @@
 //! All kernel access lives here: loading the BPF object, pinning the state tracker, running the
-//! socket and owner iterators, reading counters and transition events, and (in `diag`) netlink
-//! sock_diag. Everything above this module works on plain data.
+//! socket and owner iterators, reading counters and transition events, (in `diag`) netlink
+//! sock_diag, and (in `procfs`) what a scan reads from /proc and the clock. Everything above
+//! this module works on plain data.
 //!
 //! The state tracker (tracepoint + per-socket map + event ring + counters) is pinned under
 //! `/sys/fs/bpf/connreap/<object-hash>/` (another root with `CONNREAP_PIN_ROOT`, see `host`) so
@@ -14,6 +15,7 @@ mod host;
 mod hz;
 mod memory;
 pub mod offsets;
+pub mod procfs;
 
 pub use host::unpin_all;
 use host::{ensure_mounted, load_lock, pin_error, prepare_pin_dir, raise_memlock};
@@ -43,6 +45,8 @@ static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o
 pub const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
 pub const BPFFS: &str = "/sys/fs/bpf";
 pub const TRACEFS: &str = "/sys/kernel/tracing";
+/// Why the kernel side could not be loaded or used. Each variant says what was being done and
+/// carries the error it came from (print with `{:#}` through anyhow for the whole chain).
 #[derive(Debug, thiserror::Error)]
 pub enum KernelError {
     #[error("connreap must run as root (it loads BPF programs); try: sudo connreap ...")]
@@ -51,28 +55,117 @@ pub enum KernelError {
     NotBuilt,
     #[error("kernel BTF not found at {BTF_PATH}: connreap needs a kernel built with CONFIG_DEBUG_INFO_BTF=y")]
     NoBtf,
-    #[error("{0}")]
+    #[error(transparent)]
     Offsets(#[from] offsets::OffsetError),
-    #[error("cannot mount {fs} at {path}: {reason}")]
+    #[error("cannot mount {fs} at {path}")]
     Mount {
         fs: &'static str,
         path: &'static str,
-        reason: String,
+        #[source]
+        source: std::io::Error,
     },
-    #[error("cannot prepare pin directory {path}: {reason}")]
-    Pin { path: String, reason: String },
-    #[error("loading the BPF object failed: {0}")]
-    Load(String),
-    #[error("kernel refused BPF program {program}: {reason}{hint}")]
+    #[error("cannot prepare pin directory {}", path.display())]
+    PinDir {
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot pin {}", path.display())]
+    Pin {
+        path: PathBuf,
+        #[source]
+        source: aya::pin::PinError,
+    },
+    #[error("loading the BPF object failed")]
+    Object(#[source] aya::EbpfError),
+    #[error("loading the BPF object failed: cannot read the kernel BTF")]
+    KernelBtf(#[source] aya::BtfError),
+    #[error("loading the BPF object failed: program {0} missing from the object")]
+    MissingProgram(&'static str),
+    #[error("loading the BPF object failed: program {0} has an unexpected type")]
+    ProgramType(&'static str),
+    #[error("loading the BPF object failed: the BPF object has no bpf_sock_destroy call to patch")]
+    NoKfuncCall,
+    /// The verifier (or the kernel before it) refused the program.
+    #[error("kernel refused BPF program {program}")]
+    Refused {
+        program: &'static str,
+        #[source]
+        source: Refusal,
+    },
+    /// Any other failure to load, attach or open a program.
+    #[error("kernel refused BPF program {program}")]
     Program {
         program: &'static str,
-        reason: String,
-        hint: String,
+        #[source]
+        source: aya::programs::ProgramError,
     },
-    #[error("running the {what} iterator failed: {reason}")]
-    Iterate { what: &'static str, reason: String },
+    #[error("running the {what} iterator failed")]
+    Iterate {
+        what: &'static str,
+        #[source]
+        source: IterError,
+    },
     #[error("BPF map {0} missing from the object")]
     MissingMap(&'static str),
+    #[error("BPF map {name} cannot be used")]
+    Map {
+        name: &'static str,
+        #[source]
+        source: aya::maps::MapError,
+    },
+    #[error("cannot read the online CPUs from {path}")]
+    OnlineCpus {
+        path: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("running {program} on CPU {cpu}")]
+    Run {
+        program: &'static str,
+        cpu: u32,
+        #[source]
+        source: aya::programs::ProgramError,
+    },
+}
+
+/// What the kernel said when it refused to load a program: the errno and, with `-v`, the
+/// verifier log (never dumped by default: it can be thousands of lines).
+#[derive(Debug, thiserror::Error)]
+#[error("{errno}{}", match verifier_log {
+    Some(log) => format!("\nverifier log:\n{log}"),
+    None => " (run with -v for the verifier log)".to_string(),
+})]
+pub struct Refusal {
+    /// The load syscall's error (shown in this message rather than as a further cause, so the
+    /// verifier log stays last).
+    pub errno: std::io::Error,
+    pub verifier_log: Option<String>,
+}
+
+/// How running an iterator (or the destroy iterator's request map) failed.
+#[derive(Debug, thiserror::Error)]
+pub enum IterError {
+    #[error(transparent)]
+    Program(#[from] aya::programs::ProgramError),
+    #[error(transparent)]
+    Link(#[from] aya::programs::links::LinkError),
+    #[error(transparent)]
+    Read(#[from] std::io::Error),
+    #[error(transparent)]
+    Map(#[from] aya::maps::MapError),
+    #[error("the owner dump's thread panicked")]
+    Panicked,
+}
+
+impl KernelError {
+    fn iterate(what: &'static str) -> impl Fn(IterError) -> KernelError {
+        move |source| KernelError::Iterate { what, source }
+    }
+
+    fn map(name: &'static str) -> impl Fn(aya::maps::MapError) -> KernelError {
+        move |source| KernelError::Map { name, source }
+    }
 }
 
 /// Drop counters kept by the BPF side (summed over CPUs).
@@ -226,10 +319,10 @@ impl Kernel {
         loader.override_global(names::OFFSETS, &offsets, true);
         let ebpf = with_pinned_maps(&mut loader, pin_dir)
             .load(OBJECT)
-            .map_err(|e| KernelError::Load(full_chain(&e)))?;
+            .map_err(KernelError::Object)?;
 
         let mut loaded = Loaded { ebpf, verbose };
-        let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+        let btf = Btf::from_sys_fs().map_err(KernelError::KernelBtf)?;
         loaded.attach_tracker(&pin_dir.join("link"), &btf)?;
         for (prog, iter_type, pin) in [
             (names::PROG_ITER_TCP, "tcp", pin_dir.join("iter_tcp")),
@@ -289,9 +382,8 @@ impl Loaded {
         let p = self
             .ebpf
             .program_mut(name)
-            .ok_or_else(|| KernelError::Load(format!("program {name} missing from the object")))?;
-        <&mut T>::try_from(p)
-            .map_err(|_| KernelError::Load(format!("program {name} has an unexpected type")))
+            .ok_or(KernelError::MissingProgram(name))?;
+        <&mut T>::try_from(p).map_err(|_| KernelError::ProgramType(name))
     }
 
     /// Attach the state-change tracepoint unless a pinned link from an earlier run is alive.
@@ -305,14 +397,12 @@ impl Loaded {
         let tp: &mut BtfTracePoint = self.program(names::PROG_STATE)?;
         tp.load("inet_sock_set_state", btf)
             .map_err(|e| program_error(verbose, names::PROG_STATE, e))?;
-        let id = tp.attach().map_err(|e| KernelError::Program {
+        let program_error = |source| KernelError::Program {
             program: names::PROG_STATE,
-            reason: full_chain(&e),
-            hint: String::new(),
-        })?;
-        let link = tp
-            .take_link(id)
-            .map_err(|e| KernelError::Load(e.to_string()))?;
+            source,
+        };
+        let id = tp.attach().map_err(program_error)?;
+        let link = tp.take_link(id).map_err(program_error)?;
         let fd_link: FdLink = link.into();
         match fd_link.pin(link_pin) {
             Ok(_) => Ok(()),
@@ -331,16 +421,19 @@ impl Kernel {
 
     /// Run an iterator and hand each complete record to `f` as it is read (a small reused
     /// buffer: the dump is never held in memory as bytes).
-    fn run_iter<T: Copy + Default>(
+    fn run_iter<T: aya::Pod>(
         it: &mut Iter,
         what: &'static str,
-        mut f: impl FnMut(T),
+        f: impl FnMut(T),
     ) -> Result<Dump, KernelError> {
-        let err = |reason: String| KernelError::Iterate { what, reason };
+        Self::dump(it, f).map_err(KernelError::iterate(what))
+    }
+
+    fn dump<T: aya::Pod>(it: &mut Iter, mut f: impl FnMut(T)) -> Result<Dump, IterError> {
         let start = Instant::now();
-        let id = it.attach().map_err(|e| err(full_chain(&e)))?;
-        let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
-        let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
+        let id = it.attach()?;
+        let link = it.take_link(id)?;
+        let mut file = link.into_file()?;
         let size = std::mem::size_of::<T>();
         let mut buf = vec![0u8; 64 * 1024];
         let mut filled = 0;
@@ -353,7 +446,7 @@ impl Kernel {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(err(e.to_string())),
+                Err(e) => return Err(e.into()),
             };
             filled += n;
             let whole = filled - filled % size;
@@ -393,10 +486,7 @@ impl Kernel {
                 scope.spawn(move || Self::run_iter(iter_files, "iter/task_file", on_owner));
             let sockets = Self::run_iter(iter_tcp, "iter/tcp", on_socket);
             let owners = owners.join().unwrap_or_else(|_| {
-                Err(KernelError::Iterate {
-                    what: "iter/task_file",
-                    reason: "the owner dump's thread panicked".into(),
-                })
+                Err(KernelError::iterate("iter/task_file")(IterError::Panicked))
             });
             Ok((sockets?, owners?))
         })
@@ -408,7 +498,7 @@ impl Kernel {
         name: &'static str,
     ) -> Result<PerCpuArray<&MapData, V>, KernelError> {
         let map = self.ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
-        PerCpuArray::try_from(map).map_err(|e| KernelError::Load(e.to_string()))
+        PerCpuArray::try_from(map).map_err(KernelError::map(name))
     }
 
     pub fn counters(&self) -> Result<Counters, KernelError> {
@@ -472,13 +562,11 @@ fn recursion_misses(fd: &aya::programs::ProgramFd) -> Option<u64> {
 }
 
 /// Fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
-fn records<T: Copy + Default>(buf: &[u8]) -> impl Iterator<Item = T> + '_ {
-    let size = std::mem::size_of::<T>();
-    buf.chunks_exact(size).map(move |chunk| {
-        let mut v = T::default();
-        // SAFETY: T is a #[repr(C)] Pod record; chunk has exactly size_of::<T>() bytes.
-        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), &mut v as *mut T as *mut u8, size) };
-        v
+fn records<T: aya::Pod>(buf: &[u8]) -> impl Iterator<Item = T> + '_ {
+    buf.chunks_exact(std::mem::size_of::<T>()).map(|chunk| {
+        // SAFETY: T is Pod (any bit pattern is a valid T) and chunk has exactly size_of::<T>()
+        // bytes; read_unaligned allows any alignment of the buffer.
+        unsafe { std::ptr::read_unaligned(chunk.as_ptr().cast::<T>()) }
     })
 }
 
@@ -488,36 +576,19 @@ fn program_error(
     program: &'static str,
     e: aya::programs::ProgramError,
 ) -> KernelError {
-    let (reason, hint) = match &e {
+    match e {
         aya::programs::ProgramError::LoadError {
             io_error,
             verifier_log,
-        } => {
-            let hint = if verbose {
-                format!("\nverifier log:\n{verifier_log}")
-            } else {
-                " (run with -v for the verifier log)".to_string()
-            };
-            (io_error.to_string(), hint)
-        }
-        other => (full_chain(other), String::new()),
-    };
-    KernelError::Program {
-        program,
-        reason,
-        hint,
+        } => KernelError::Refused {
+            program,
+            source: Refusal {
+                errno: io_error,
+                verifier_log: verbose.then(|| verifier_log.to_string()),
+            },
+        },
+        source => KernelError::Program { program, source },
     }
-}
-
-fn full_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
-    }
-    s
 }
 
 #[cfg(test)]

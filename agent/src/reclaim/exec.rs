@@ -65,18 +65,19 @@ impl Destroyer {
         kernel: &Kernel,
         verbose: bool,
     ) -> Result<Destroyer, String> {
+        let fallback = |e| format!("bpf_sock_destroy fallback: {:#}", e);
         let bpf = || -> Result<Destroyer, String> {
             let mut d = kernel
                 .destroyer(verbose)
-                .map_err(|e| format!("bpf_sock_destroy fallback: {e}"))?;
-            d.probe()
-                .map_err(|e| format!("bpf_sock_destroy fallback: {e}"))?;
+                .map_err(|e| fallback(anyhow::Error::new(e)))?;
+            d.probe().map_err(|e| fallback(anyhow::Error::new(e)))?;
             Ok(Destroyer::Bpf(d))
         };
+        let netlink = || diag::probe().map_err(|e| format!("{:#}", anyhow::Error::new(e)));
         match wanted {
-            DestroyMechanism::Netlink => diag::probe().map(|_| Destroyer::Netlink),
+            DestroyMechanism::Netlink => netlink().map(|_| Destroyer::Netlink),
             DestroyMechanism::BpfIter => bpf(),
-            DestroyMechanism::Auto => match diag::probe() {
+            DestroyMechanism::Auto => match netlink() {
                 Ok(_) => Ok(Destroyer::Netlink),
                 Err(netlink) => {
                     tracing::warn!(reason = %netlink, "netlink socket destroy unavailable; trying the bpf_sock_destroy fallback");
@@ -249,7 +250,7 @@ impl Reclaimer {
                 }
             }
             if res.killed() > 0 && reading.is_some() {
-                let done = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+                let done = crate::present::rfc3339_ms(chrono::Utc::now());
                 self.acted_on.insert(p.name.clone(), done);
             }
         }
@@ -384,7 +385,7 @@ fn recheck<'a>(
             "no longer matches on re-check (state {}, idle {})",
             now.state,
             now.idle
-                .map(crate::snapshot::human)
+                .map(crate::present::human)
                 .unwrap_or_else(|| "-".into())
         ));
     }

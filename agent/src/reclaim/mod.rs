@@ -2,13 +2,12 @@
 //! that come out of a round. Execution (re-check, destroy, audit) lives in `exec`.
 pub mod exec;
 
-use std::time::Duration;
-
 use serde::Serialize;
 
 use crate::{
     config::{PolicyConfig, PolicyMode, ReclaimConfig, Selector, Trigger},
     detect::QuotaRef,
+    present::round_secs,
     quota::QuotaStatus,
     table::{canon, Socket, TcpState},
 };
@@ -171,9 +170,8 @@ pub fn decision(
     result: Outcome,
     reason: Option<String>,
 ) -> Decision {
-    let secs = |d: Duration| (d.as_secs_f64() * 1000.0).round() / 1000.0;
     Decision {
-        time: crate::alert::rfc3339(chrono::Utc::now()),
+        time: crate::present::rfc3339(chrono::Utc::now()),
         policy: p.name.clone(),
         mode: mode.to_string(),
         result,
@@ -186,9 +184,9 @@ pub fn decision(
         comm: s.comm().to_string(),
         unit: s.unit(),
         state: s.state,
-        age_secs: secs(s.age),
+        age_secs: round_secs(s.age),
         age_exact: s.age_exact,
-        idle_secs: s.idle.map(secs),
+        idle_secs: s.idle.map(round_secs),
         quota: quota.clone(),
         agent_pid: std::process::id(),
         round: 0,
@@ -204,6 +202,8 @@ pub fn mode_name(m: PolicyMode) -> &'static str {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use crate::{config::parse, detect::testutil::sock, quota::QuotaEntry};
 
