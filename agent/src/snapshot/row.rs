@@ -15,48 +15,65 @@ use crate::{
     table::{Endpoint, Socket},
 };
 
+/// A field's key: its name, and the JSON text that precedes its value in a row.
+#[derive(Clone, Copy)]
+struct Key {
+    name: &'static str,
+    /// `,"name":` (keys are plain identifiers: nothing to escape).
+    json: &'static str,
+}
+
+macro_rules! key {
+    ($name:literal) => {
+        Key {
+            name: $name,
+            json: concat!(",\"", $name, "\":"),
+        }
+    };
+}
+
 /// What a row's fields are written to: one method per kind of value.
 trait RowWriter {
     type Error;
-    fn int(&mut self, key: &'static str, v: u64) -> Result<(), Self::Error>;
-    fn opt_int(&mut self, key: &'static str, v: Option<u64>) -> Result<(), Self::Error>;
-    fn flag(&mut self, key: &'static str, v: bool) -> Result<(), Self::Error>;
+    fn int(&mut self, key: Key, v: u64) -> Result<(), Self::Error>;
+    fn opt_int(&mut self, key: Key, v: Option<u64>) -> Result<(), Self::Error>;
+    fn flag(&mut self, key: Key, v: bool) -> Result<(), Self::Error>;
     /// A string from a fixed set that needs no JSON escaping (state, direction).
-    fn word(&mut self, key: &'static str, v: &'static str) -> Result<(), Self::Error>;
+    fn word(&mut self, key: Key, v: &'static str) -> Result<(), Self::Error>;
     /// A free-form string (escaped), or null.
-    fn text(&mut self, key: &'static str, v: Option<&str>) -> Result<(), Self::Error>;
-    fn endpoint(&mut self, key: &'static str, v: &Endpoint) -> Result<(), Self::Error>;
+    fn text(&mut self, key: Key, v: Option<&str>) -> Result<(), Self::Error>;
+    fn endpoint(&mut self, key: Key, v: &Endpoint) -> Result<(), Self::Error>;
     /// Seconds to the millisecond ([`round_secs`]), or null.
-    fn secs(&mut self, key: &'static str, v: Option<Duration>) -> Result<(), Self::Error>;
-    fn pids(&mut self, key: &'static str, v: &[u32]) -> Result<(), Self::Error>;
+    fn secs(&mut self, key: Key, v: Option<Duration>) -> Result<(), Self::Error>;
+    fn pids(&mut self, key: Key, v: &[u32]) -> Result<(), Self::Error>;
 }
 
 /// The row schema: every field of a socket row, in order.
 #[inline]
 fn fields<W: RowWriter>(s: &Socket, w: &mut W) -> Result<(), W::Error> {
-    w.int("inode", s.inode)?;
-    w.opt_int("cookie", (s.cookie != 0).then_some(s.cookie))?;
-    w.endpoint("local", &s.local)?;
-    w.endpoint("peer", &s.peer)?;
-    w.word("state", s.state.as_str())?;
-    w.secs("age_secs", Some(s.age))?;
-    w.flag("age_exact", s.age_exact)?;
-    w.secs("idle_secs", s.idle)?;
-    w.secs("last_recv_secs", s.last_recv())?;
-    w.secs("last_send_secs", s.last_send())?;
-    w.int("rx_queue", s.rx_queue.into())?;
-    w.int("tx_queue", s.tx_queue.into())?;
-    w.int("uid", s.uid.into())?;
-    w.word("direction", s.direction.as_str())?;
-    w.int("service_port", s.service_port.into())?;
+    w.int(key!("inode"), s.inode)?;
+    w.opt_int(key!("cookie"), (s.cookie != 0).then_some(s.cookie))?;
+    w.endpoint(key!("local"), &s.local)?;
+    w.endpoint(key!("peer"), &s.peer)?;
+    w.word(key!("state"), s.state.as_str())?;
+    w.secs(key!("age_secs"), Some(s.age))?;
+    w.flag(key!("age_exact"), s.age_exact)?;
+    w.secs(key!("idle_secs"), s.idle)?;
+    w.secs(key!("last_recv_secs"), s.last_recv())?;
+    w.secs(key!("last_send_secs"), s.last_send())?;
+    w.int(key!("rx_queue"), s.rx_queue.into())?;
+    w.int(key!("tx_queue"), s.tx_queue.into())?;
+    w.int(key!("uid"), s.uid.into())?;
+    w.word(key!("direction"), s.direction.as_str())?;
+    w.int(key!("service_port"), s.service_port.into())?;
     if let Some(o) = &s.owner {
-        w.int("pid", o.pid.into())?;
-        w.text("comm", Some(&o.comm))?;
-        w.int("fd", s.fd.into())?;
-        w.text("unit", o.unit.as_deref())?;
+        w.int(key!("pid"), o.pid.into())?;
+        w.text(key!("comm"), Some(&o.comm))?;
+        w.int(key!("fd"), s.fd.into())?;
+        w.text(key!("unit"), o.unit.as_deref())?;
     }
     if !s.shared_with.is_empty() {
-        w.pids("shared_with", &s.shared_with)?;
+        w.pids(key!("shared_with"), &s.shared_with)?;
     }
     Ok(())
 }
@@ -74,62 +91,55 @@ struct SerdeRow<M>(M);
 
 impl<M: serde::ser::SerializeMap> RowWriter for SerdeRow<M> {
     type Error = M::Error;
-    fn int(&mut self, key: &'static str, v: u64) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, &v)
+    fn int(&mut self, key: Key, v: u64) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
     }
-    fn opt_int(&mut self, key: &'static str, v: Option<u64>) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, &v)
+    fn opt_int(&mut self, key: Key, v: Option<u64>) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
     }
-    fn flag(&mut self, key: &'static str, v: bool) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, &v)
+    fn flag(&mut self, key: Key, v: bool) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
     }
-    fn word(&mut self, key: &'static str, v: &'static str) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, v)
+    fn word(&mut self, key: Key, v: &'static str) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
     }
-    fn text(&mut self, key: &'static str, v: Option<&str>) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, &v)
+    fn text(&mut self, key: Key, v: Option<&str>) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
     }
-    fn endpoint(&mut self, key: &'static str, v: &Endpoint) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, v)
+    fn endpoint(&mut self, key: Key, v: &Endpoint) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
     }
-    fn secs(&mut self, key: &'static str, v: Option<Duration>) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, &v.map(round_secs))
+    fn secs(&mut self, key: Key, v: Option<Duration>) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v.map(round_secs))
     }
-    fn pids(&mut self, key: &'static str, v: &[u32]) -> Result<(), M::Error> {
-        self.0.serialize_entry(key, v)
+    fn pids(&mut self, key: Key, v: &[u32]) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
     }
 }
 
 /// The fast form: compact JSON bytes appended to `out`.
 struct FastRow<'a> {
     out: &'a mut Vec<u8>,
-    /// Byte before the next key: `{` for the first field, then `,`.
-    sep: u8,
 }
 
 impl FastRow<'_> {
-    /// `{"key":` or `,"key":` (keys are plain identifiers: nothing to escape).
     #[inline]
-    fn key(&mut self, key: &'static str) {
-        self.out.push(self.sep);
-        self.sep = b',';
-        self.out.push(b'"');
-        self.out.extend_from_slice(key.as_bytes());
-        self.out.extend_from_slice(b"\":");
+    fn key(&mut self, key: Key) {
+        self.out.extend_from_slice(key.json.as_bytes());
     }
 }
 
 impl RowWriter for FastRow<'_> {
     type Error = serde_json::Error;
     #[inline]
-    fn int(&mut self, key: &'static str, v: u64) -> serde_json::Result<()> {
+    fn int(&mut self, key: Key, v: u64) -> serde_json::Result<()> {
         self.key(key);
         self.out
             .extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
         Ok(())
     }
     #[inline]
-    fn opt_int(&mut self, key: &'static str, v: Option<u64>) -> serde_json::Result<()> {
+    fn opt_int(&mut self, key: Key, v: Option<u64>) -> serde_json::Result<()> {
         match v {
             Some(v) => self.int(key, v),
             None => {
@@ -140,14 +150,14 @@ impl RowWriter for FastRow<'_> {
         }
     }
     #[inline]
-    fn flag(&mut self, key: &'static str, v: bool) -> serde_json::Result<()> {
+    fn flag(&mut self, key: Key, v: bool) -> serde_json::Result<()> {
         self.key(key);
         self.out
             .extend_from_slice(if v { b"true" } else { b"false" });
         Ok(())
     }
     #[inline]
-    fn word(&mut self, key: &'static str, v: &'static str) -> serde_json::Result<()> {
+    fn word(&mut self, key: Key, v: &'static str) -> serde_json::Result<()> {
         self.key(key);
         self.out.push(b'"');
         self.out.extend_from_slice(v.as_bytes());
@@ -155,12 +165,12 @@ impl RowWriter for FastRow<'_> {
         Ok(())
     }
     #[inline]
-    fn text(&mut self, key: &'static str, v: Option<&str>) -> serde_json::Result<()> {
+    fn text(&mut self, key: Key, v: Option<&str>) -> serde_json::Result<()> {
         self.key(key);
         serde_json::to_writer(&mut *self.out, &v)
     }
     #[inline]
-    fn endpoint(&mut self, key: &'static str, v: &Endpoint) -> serde_json::Result<()> {
+    fn endpoint(&mut self, key: Key, v: &Endpoint) -> serde_json::Result<()> {
         self.key(key);
         self.out.push(b'"');
         v.write_text(self.out);
@@ -168,7 +178,7 @@ impl RowWriter for FastRow<'_> {
         Ok(())
     }
     #[inline]
-    fn secs(&mut self, key: &'static str, v: Option<Duration>) -> serde_json::Result<()> {
+    fn secs(&mut self, key: Key, v: Option<Duration>) -> serde_json::Result<()> {
         self.key(key);
         match v {
             Some(d) => SecsFormatter
@@ -181,7 +191,7 @@ impl RowWriter for FastRow<'_> {
         }
     }
     #[inline]
-    fn pids(&mut self, key: &'static str, v: &[u32]) -> serde_json::Result<()> {
+    fn pids(&mut self, key: Key, v: &[u32]) -> serde_json::Result<()> {
         self.key(key);
         self.out.push(b'[');
         for (i, pid) in v.iter().enumerate() {
@@ -198,9 +208,12 @@ impl RowWriter for FastRow<'_> {
 
 /// Append `s` as a compact JSON object (no separator before it).
 fn write_row(out: &mut Vec<u8>, s: &Socket) -> serde_json::Result<()> {
-    let mut w = FastRow { out, sep: b'{' };
+    let start = out.len();
+    let mut w = FastRow { out };
     fields(s, &mut w)?;
-    w.out.push(b'}');
+    // Every key was written with a leading comma: the first one opens the object instead.
+    out[start] = b'{';
+    out.push(b'}');
     Ok(())
 }
 
