@@ -5,32 +5,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use chrono::{DateTime, SecondsFormat, Utc};
+use chrono::{DateTime, Utc};
 
 use crate::{
     detect::Finding,
     notify::{Alert, Notification, Status},
 };
-
-pub fn rfc3339(t: DateTime<Utc>) -> String {
-    t.to_rfc3339_opts(SecondsFormat::Secs, true)
-}
-
-/// serde `serialize_with` for a time shown as [`rfc3339`].
-pub fn ser_rfc3339<S: serde::Serializer>(t: &DateTime<Utc>, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_str(&rfc3339(*t))
-}
-
-/// [`ser_rfc3339`] for an optional time (None is null).
-pub fn ser_rfc3339_opt<S: serde::Serializer>(
-    t: &Option<DateTime<Utc>>,
-    s: S,
-) -> Result<S::Ok, S::Error> {
-    match t {
-        Some(t) => ser_rfc3339(t, s),
-        None => s.serialize_none(),
-    }
-}
 
 struct Active {
     started_at: DateTime<Utc>,

@@ -159,7 +159,12 @@ async fn sockets(
     };
     let filter = match args.parse() {
         Ok(f) => f,
-        Err(e) => return error(StatusCode::BAD_REQUEST, e),
+        Err(e) => {
+            return error(
+                StatusCode::BAD_REQUEST,
+                format!("{:#}", anyhow::Error::new(e)),
+            )
+        }
     };
     let mut rx = st.published.subscribe();
     loop {
@@ -272,6 +277,9 @@ async fn reclaim(
     let quotas = st.read().quotas;
     match st.engine.reclaim_now(policy, req.dry_run, quotas).await {
         Ok(round) => Json(round).into_response(),
-        Err(e) => error(StatusCode::INTERNAL_SERVER_ERROR, e.to_string()),
+        Err(e) => error(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("{:#}", anyhow::Error::new(e)),
+        ),
     }
 }

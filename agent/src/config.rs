@@ -1,10 +1,13 @@
 //! Configuration: TOML file, every key with a commented default. `connreap.example.toml` at the
 //! repository root is the reference; a unit test keeps it equal to `Config::default()`.
+mod keys;
+
 use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
 
 use serde::{Deserialize, Serialize};
 
 use crate::table::TcpState;
+use keys::{KeyPath, Positions};
 
 /// Exit code for an invalid configuration (sysexits.h EX_CONFIG).
 pub const EX_CONFIG: u8 = 78;
@@ -12,13 +15,20 @@ pub const DEFAULT_PATH: &str = "/etc/connreap/connreap.toml";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
-    #[error("{path}: cannot read: {reason}")]
-    Read { path: String, reason: String },
+    #[error("{path}: cannot read")]
+    Read {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
     #[error("{path}:{line}:{column}: {message}")]
     Parse {
         path: String,
         line: usize,
         column: usize,
+        /// The parser's message, led by the key it is about (or, in text that is not valid
+        /// TOML, by the line). The parser's own error is not kept as a source: its display
+        /// repeats the position with a snippet of the file.
         message: String,
     },
     #[error("{path}:{} `{key}`: {message}", line_part(.line))]
@@ -298,6 +308,7 @@ impl QuotaConfig {
     }
 }
 
+/// 1-based line and column of byte `offset`.
 fn line_col(text: &str, offset: usize) -> (usize, usize) {
     let before = &text[..offset.min(text.len())];
     let line = before.matches('\n').count() + 1;
@@ -305,122 +316,62 @@ fn line_col(text: &str, offset: usize) -> (usize, usize) {
     (line, column)
 }
 
-/// A table header line: (`name`, is an array of tables).
-fn header(line: &str) -> Option<(&str, bool)> {
-    let l = line.trim();
-    if let Some(rest) = l.strip_prefix("[[") {
-        return Some((rest.split("]]").next()?.trim(), true));
-    }
-    let rest = l.strip_prefix('[')?;
-    Some((rest.split(']').next()?.trim(), false))
-}
-
-/// `name` for `[name]`, `name[i]` for the i-th `[[name]]`, of the table holding byte `offset`.
-fn table_at(text: &str, offset: usize) -> Option<String> {
-    let before = &text[..offset];
-    let (name, array) = before.lines().rev().find_map(header)?;
-    if !array {
-        return Some(name.to_string());
-    }
-    let index = before
-        .lines()
-        .filter_map(header)
-        .filter(|h| *h == (name, true))
-        .count();
-    Some(format!("{name}[{}]", index.saturating_sub(1)))
-}
-
-/// The dotted key of the `key = value` line holding byte `offset` (e.g. `agent.scan_interval`).
-fn key_at(text: &str, offset: usize) -> Option<String> {
+/// The byte range of the line holding `offset`, without its line break.
+fn line_range(text: &str, offset: usize) -> std::ops::Range<usize> {
     let offset = offset.min(text.len());
-    let start = text[..offset].rfind('\n').map(|i| i + 1).unwrap_or(0);
-    let line = text[start..].lines().next().unwrap_or("");
-    let (key, _) = line.split_once('=')?;
-    let key = key.trim().trim_matches('"');
-    if key.is_empty() || key.starts_with(['[', '#']) {
-        return None;
-    }
-    Some(match table_at(text, start) {
-        Some(t) if !t.is_empty() => format!("{t}.{key}"),
-        _ => key.to_string(),
-    })
-}
-
-/// The line of a validation key such as `detect.quota_saturation` or `quota[1] (relay).url`:
-/// the key's own line, else its table's header line.
-fn line_of_key(text: &str, key: &str) -> Option<usize> {
-    // Drop the " (name)" annotations.
-    let mut plain = String::new();
-    let mut rest = key;
-    while let Some(i) = rest.find(" (") {
-        plain.push_str(&rest[..i]);
-        rest = rest[i..]
-            .find(')')
-            .map(|j| &rest[i + j + 1..])
-            .unwrap_or("");
-    }
-    plain.push_str(rest);
-    let (table, field) = match plain.split_once('.') {
-        Some((t, f)) => (t.to_string(), f.split('.').next().map(str::to_string)),
-        None => (plain.clone(), None),
-    };
-    let mut header_line = None;
-    let mut offset = 0;
-    for (i, raw) in text.split_inclusive('\n').enumerate() {
-        let here = offset;
-        offset += raw.len();
-        let line = raw.trim_end_matches(['\n', '\r']);
-        if header(line).is_some() {
-            if header_line.is_some() {
-                break; // past the table
-            }
-            if table_at(text, here + line.len()).as_deref() == Some(table.as_str()) {
-                header_line = Some(i + 1);
-            }
-            continue;
-        }
-        if header_line.is_none() {
-            continue;
-        }
-        if let (Some(field), Some((k, _))) = (&field, line.split_once('=')) {
-            if k.trim().trim_matches('"') == field {
-                return Some(i + 1);
-            }
-        }
-    }
-    header_line
+    let start = text[..offset].rfind('\n').map_or(0, |i| i + 1);
+    let end = text[start..].find('\n').map_or(text.len(), |i| start + i);
+    start..end
 }
 
 /// Parse and validate a configuration text; `path` is only used in messages.
 pub fn parse(text: &str, path: &str) -> Result<Config, ConfigError> {
-    let cfg: Config = toml::from_str(text).map_err(|e| {
-        let start = e.span().map(|s| s.start);
-        let (line, column) = start.map(|s| line_col(text, s)).unwrap_or((0, 0));
-        let message = e.message().to_string();
-        ConfigError::Parse {
-            path: path.into(),
-            line,
-            column,
-            // Name the key: the message alone may only say what was wrong with the value.
-            message: match start.and_then(|s| key_at(text, s)) {
-                Some(key) => format!("`{key}`: {message}"),
-                None => message,
-            },
-        }
-    })?;
+    let cfg: Config = toml::from_str(text).map_err(|e| parse_error(text, path, &e))?;
     validate(&cfg).map_err(|(key, message)| ConfigError::Invalid {
         path: path.into(),
-        line: line_of_key(text, &key),
-        key,
+        line: Positions::of(text)
+            .and_then(|p| p.find(&key))
+            .map(|at| line_col(text, at).0),
+        key: key.to_string(),
         message,
     })?;
     Ok(cfg)
 }
 
+/// A parse error at file:line:column, naming the key it is about: the innermost key on the
+/// error's line, from the parser's spans. Text that is not TOML at all has no keys to name;
+/// its line is quoted instead.
+fn parse_error(text: &str, path: &str, e: &toml::de::Error) -> ConfigError {
+    let message = e.message().to_string();
+    let Some(start) = e.span().map(|s| s.start) else {
+        return ConfigError::Parse {
+            path: path.into(),
+            line: 0,
+            column: 0,
+            message,
+        };
+    };
+    let (line, column) = line_col(text, start);
+    let range = line_range(text, start);
+    let what = match Positions::of(text) {
+        Some(p) => p.at(start, range).map(KeyPath::to_string),
+        None => Some(text[range].trim().to_string()).filter(|l| !l.is_empty()),
+    };
+    ConfigError::Parse {
+        path: path.into(),
+        line,
+        column,
+        message: match what {
+            Some(what) => format!("`{what}`: {message}"),
+            None => message,
+        },
+    }
+}
+
 pub fn load(path: &Path) -> Result<Config, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.display().to_string(),
-        reason: e.to_string(),
+        source,
     })?;
     parse(&text, &path.display().to_string())
 }
@@ -436,35 +387,67 @@ pub fn load_default(explicit: Option<&Path>) -> Result<(Config, String), ConfigE
     }
 }
 
-type Invalid = (String, String);
+/// A validation failure: where, and what is wrong.
+type Invalid = (KeyPath, String);
 
-fn invalid(key: impl Into<String>, message: impl Into<String>) -> Invalid {
-    (key.into(), message.into())
+fn invalid(key: KeyPath, message: impl Into<String>) -> Invalid {
+    (key, message.into())
+}
+
+/// `table.key` at the top of the document.
+fn top(table: &str, key: &str) -> KeyPath {
+    KeyPath::default().key(table).key(key)
 }
 
 fn validate(cfg: &Config) -> Result<(), Invalid> {
     if cfg.agent.scan_interval < Duration::from_millis(100) {
-        return Err(invalid("agent.scan_interval", "must be at least 100ms"));
+        return Err(invalid(
+            top("agent", "scan_interval"),
+            "must be at least 100ms",
+        ));
     }
     let d = &cfg.detect;
     if !(d.quota_saturation > 0.0 && d.quota_saturation <= 1.0) {
-        return Err(invalid("detect.quota_saturation", "must be in (0, 1]"));
+        return Err(invalid(
+            top("detect", "quota_saturation"),
+            "must be in (0, 1]",
+        ));
     }
     if d.close_wait_threshold == 0 || d.stuck_pair_threshold == 0 {
-        return Err(invalid("detect", "thresholds must be at least 1"));
+        return Err(invalid(
+            KeyPath::default().key("detect"),
+            "thresholds must be at least 1",
+        ));
     }
     if d.storm_rate <= 0.0 {
-        return Err(invalid("detect.storm_rate", "must be positive"));
+        return Err(invalid(top("detect", "storm_rate"), "must be positive"));
     }
     if cfg.alerts.queue_capacity == 0 {
-        return Err(invalid("alerts.queue_capacity", "must be at least 1"));
+        return Err(invalid(
+            top("alerts", "queue_capacity"),
+            "must be at least 1",
+        ));
     }
+    validate_quotas(cfg)?;
+    for (i, w) in cfg.webhook.iter().enumerate() {
+        if !w.url.starts_with("http://") && !w.url.starts_with("https://") {
+            return Err(invalid(
+                KeyPath::default().entry("webhook", i, None).key("url"),
+                format!("`{}` is not an http(s) URL", w.url),
+            ));
+        }
+    }
+    validate_policies(cfg)
+}
+
+fn validate_quotas(cfg: &Config) -> Result<(), Invalid> {
     let mut names = std::collections::HashSet::new();
     for (i, q) in cfg.quota.iter().enumerate() {
-        let key = |k: &str| format!("quota[{i}] ({}).{k}", q.name);
+        let entry = KeyPath::default().entry("quota", i, Some(&q.name));
+        let key = |k: &str| entry.clone().key(k);
         if q.name.is_empty() || !names.insert(q.name.as_str()) {
             return Err(invalid(
-                format!("quota[{i}].name"),
+                KeyPath::default().entry("quota", i, None).key("name"),
                 "must be present and unique",
             ));
         }
@@ -520,24 +503,17 @@ fn validate(cfg: &Config) -> Result<(), Invalid> {
             return Err(invalid(key("limit"), "must be at least 1"));
         }
     }
-    for (i, w) in cfg.webhook.iter().enumerate() {
-        if !w.url.starts_with("http://") && !w.url.starts_with("https://") {
-            return Err(invalid(
-                format!("webhook[{i}].url"),
-                format!("`{}` is not an http(s) URL", w.url),
-            ));
-        }
-    }
-    validate_policies(cfg)
+    Ok(())
 }
 
 fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
     let mut names = std::collections::HashSet::new();
     for (i, p) in cfg.policy.iter().enumerate() {
-        let key = |k: &str| format!("policy[{i}] ({}).{k}", p.name);
+        let entry = KeyPath::default().entry("policy", i, Some(&p.name));
+        let key = |k: &str| entry.clone().key(k);
         if p.name.is_empty() || !names.insert(p.name.as_str()) {
             return Err(invalid(
-                format!("policy[{i}].name"),
+                KeyPath::default().entry("policy", i, None).key("name"),
                 "must be present and unique",
             ));
         }
@@ -556,7 +532,7 @@ fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
         }
         if s.states.contains(&TcpState::Listen) {
             return Err(invalid(
-                key("select.states"),
+                key("select").key("states"),
                 "LISTEN sockets are never reclaimed",
             ));
         }

@@ -28,7 +28,7 @@ pub struct ScanOutput {
 /// The engine stopped (its thread ended): the daemon is shutting down or the thread panicked.
 #[derive(Debug, thiserror::Error)]
 pub enum EngineError {
-    #[error("scan failed: {0}")]
+    #[error("scan failed")]
     Scan(#[from] KernelError),
     #[error("the scan/reclaim thread is gone")]
     Gone,

@@ -9,6 +9,7 @@ mod kernel;
 mod metrics;
 mod notify;
 mod poller;
+mod present;
 mod quota;
 mod reclaim;
 mod scan;
@@ -81,7 +82,7 @@ fn init_tracing(verbose: bool) {
 }
 
 fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow::Result<()> {
-    let filter = filter.parse().map_err(anyhow::Error::msg)?;
+    let filter = filter.parse()?;
     let t0 = std::time::Instant::now();
     let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
     let loaded = t0.elapsed();
@@ -120,7 +121,10 @@ fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode
     let (cfg, source) = match config::load_default(path) {
         Ok(c) => c,
         Err(e) => {
-            eprintln!("connreap: invalid configuration: {e}");
+            eprintln!(
+                "connreap: invalid configuration: {:#}",
+                anyhow::Error::new(e)
+            );
             return Ok(ExitCode::from(config::EX_CONFIG));
         }
     };
@@ -165,7 +169,7 @@ fn reclaim_once(
         .enable_all()
         .build()?;
     let client = reqwest::Client::builder().no_proxy().build()?;
-    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let now = present::rfc3339_ms(chrono::Utc::now());
     let quotas: Vec<quota::QuotaStatus> = cfg
         .quota
         .iter()
@@ -242,7 +246,10 @@ fn main() -> ExitCode {
                 Err(e) => Err(e),
             },
             Err(e) => {
-                eprintln!("connreap: invalid configuration: {e}");
+                eprintln!(
+                    "connreap: invalid configuration: {:#}",
+                    anyhow::Error::new(e)
+                );
                 return ExitCode::from(config::EX_CONFIG);
             }
         },
@@ -258,7 +265,10 @@ fn main() -> ExitCode {
                 Ok(())
             }
             Err(e) => {
-                eprintln!("connreap: invalid configuration: {e}");
+                eprintln!(
+                    "connreap: invalid configuration: {:#}",
+                    anyhow::Error::new(e)
+                );
                 return ExitCode::from(config::EX_CONFIG);
             }
         },

@@ -6,8 +6,8 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::{
-    alert::{ser_rfc3339, ser_rfc3339_opt},
     detect::{Finding, QuotaRef, MAX_SOCKETS},
+    present::{ser_rfc3339, ser_rfc3339_opt},
     reclaim::{exec::RoundResult, Decision, Mode, Outcome},
 };
 

@@ -41,41 +41,108 @@ fn field_u64(entry: &serde_json::Value, field: &str) -> Option<u64> {
         .or_else(|| v.as_str().and_then(|s| s.trim().parse().ok()))
 }
 
+/// Why a poll of an HTTP source gave no reading.
+#[derive(Debug, thiserror::Error)]
+pub enum PollError {
+    /// The request's own timeout: the message says it all.
+    #[error("no answer within {}", humantime::format_duration(*.0))]
+    Timeout(Duration),
+    #[error("cannot connect to {url}")]
+    Connect {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("request to {url} failed")]
+    Request {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error("{url} answered HTTP {status}")]
+    Status {
+        url: String,
+        status: reqwest::StatusCode,
+    },
+    #[error("reading the body of {url} failed")]
+    Body {
+        url: String,
+        #[source]
+        source: reqwest::Error,
+    },
+    #[error(transparent)]
+    Parse(#[from] BodyError),
+}
+
+/// What in a source's body did not fit its configuration.
+#[derive(Debug, thiserror::Error)]
+pub enum BodyError {
+    #[error("body is not JSON; starts with {preview:?}")]
+    NotJson {
+        preview: String,
+        #[source]
+        source: serde_json::Error,
+    },
+    #[error("JSON pointer `{0}` not found in the body")]
+    NoPointer(String),
+    #[error("JSON pointer `{0}` is not an array")]
+    NotArray(String),
+    /// Entry `index` of the array at `pointer` lacks `field` or it has the wrong type.
+    #[error("{pointer}/{index}: `{field}` missing or not {expected}")]
+    Field {
+        pointer: String,
+        index: usize,
+        field: String,
+        expected: &'static str,
+    },
+    #[error("no limit_field and no limit configured")]
+    NoLimit,
+    #[error("{pointer}/{index}: limit is 0")]
+    ZeroLimit { pointer: String, index: usize },
+}
+
 /// Parse a source's body into entries; the error names what did not fit.
-pub fn parse_body(body: &[u8], cfg: &QuotaConfig) -> Result<Vec<QuotaEntry>, String> {
-    let doc: serde_json::Value = serde_json::from_slice(body).map_err(|e| {
-        let preview: String = String::from_utf8_lossy(&body[..body.len().min(40)]).into_owned();
-        format!("body is not JSON ({e}); starts with {preview:?}")
-    })?;
+pub fn parse_body(body: &[u8], cfg: &QuotaConfig) -> Result<Vec<QuotaEntry>, BodyError> {
+    let doc: serde_json::Value =
+        serde_json::from_slice(body).map_err(|source| BodyError::NotJson {
+            preview: String::from_utf8_lossy(&body[..body.len().min(40)]).into_owned(),
+            source,
+        })?;
     let pointer = cfg.items.as_deref().unwrap_or("");
     let items = doc
         .pointer(pointer)
-        .ok_or_else(|| format!("JSON pointer `{pointer}` not found in the body"))?
+        .ok_or_else(|| BodyError::NoPointer(pointer.into()))?
         .as_array()
-        .ok_or_else(|| format!("JSON pointer `{pointer}` is not an array"))?;
+        .ok_or_else(|| BodyError::NotArray(pointer.into()))?;
     let port_field = cfg.port_field.as_deref().unwrap_or("port");
     let used_field = cfg.used_field.as_deref().unwrap_or("used");
     items
         .iter()
         .enumerate()
-        .map(|(i, e)| {
+        .map(|(index, e)| {
+            let missing = |field: &str, expected| BodyError::Field {
+                pointer: pointer.into(),
+                index,
+                field: field.into(),
+                expected,
+            };
+            let count = "a non-negative integer";
             let port = field_u64(e, port_field)
                 .and_then(|p| u16::try_from(p).ok())
-                .ok_or_else(|| {
-                    format!("{pointer}/{i}: `{port_field}` missing or not a port number")
-                })?;
-            let used = field_u64(e, used_field).ok_or_else(|| {
-                format!("{pointer}/{i}: `{used_field}` missing or not a non-negative integer")
-            })?;
+                .ok_or_else(|| missing(port_field, "a port number"))?;
+            let used = field_u64(e, used_field).ok_or_else(|| missing(used_field, count))?;
             let limit = match (&cfg.limit_field, cfg.limit) {
-                (Some(f), fallback) => field_u64(e, f).or(fallback).ok_or_else(|| {
-                    format!("{pointer}/{i}: `{f}` missing or not a non-negative integer")
-                })?,
+                (Some(f), fallback) => field_u64(e, f)
+                    .or(fallback)
+                    .ok_or_else(|| missing(f, count))?,
                 (None, Some(l)) => l,
-                (None, None) => return Err("no limit_field and no limit configured".to_string()),
+                (None, None) => return Err(BodyError::NoLimit),
             };
             if limit == 0 {
-                return Err(format!("{pointer}/{i}: limit is 0"));
+                return Err(BodyError::ZeroLimit {
+                    pointer: pointer.into(),
+                    index,
+                });
             }
             Ok(QuotaEntry { port, used, limit })
         })
@@ -128,31 +195,35 @@ pub async fn poll(
     let url = cfg.url.clone().unwrap_or_default();
     // A reading is stamped with the time its request was sent: the source's counts can only
     // reflect what happened before then.
-    let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+    let now = crate::present::rfc3339_ms(chrono::Utc::now());
     let result = async {
         let resp = client
             .get(&url)
             .timeout(timeout)
             .send()
             .await
-            .map_err(|e| {
-                if e.is_timeout() {
-                    format!("no answer within {}", humantime::format_duration(timeout))
-                } else if e.is_connect() {
-                    format!("cannot connect to {url}")
+            .map_err(|source| {
+                let url = url.clone();
+                if source.is_timeout() {
+                    PollError::Timeout(timeout)
+                } else if source.is_connect() {
+                    PollError::Connect { url, source }
                 } else {
-                    format!("request to {url} failed: {e}")
+                    PollError::Request { url, source }
                 }
             })?;
         let status = resp.status();
         if !status.is_success() {
-            return Err(format!("{url} answered HTTP {status}"));
+            return Err(PollError::Status {
+                url: url.clone(),
+                status,
+            });
         }
-        let body = resp
-            .bytes()
-            .await
-            .map_err(|e| format!("reading the body of {url} failed: {e}"))?;
-        parse_body(&body, cfg)
+        let body = resp.bytes().await.map_err(|source| PollError::Body {
+            url: url.clone(),
+            source,
+        })?;
+        Ok(parse_body(&body, cfg)?)
     }
     .await;
     match result {
@@ -164,14 +235,15 @@ pub async fn poll(
             entries,
             error: None,
         },
-        Err(reason) => QuotaStatus {
+        Err(e) => QuotaStatus {
             name: cfg.name.clone(),
             source: "http",
             url: Some(url),
             last_poll: Some(now),
             // Keep the last good entries for display; detectors ignore sources with errors.
             entries: previous.map(|p| p.entries.clone()).unwrap_or_default(),
-            error: Some(reason),
+            // The whole chain: the request error's causes say why it failed.
+            error: Some(format!("{:#}", anyhow::Error::new(e))),
         },
     }
 }
@@ -221,23 +293,34 @@ limit_field = "maxStreams"
     #[test]
     fn bad_bodies_name_the_cause() {
         let cfg = relay_cfg();
-        assert!(parse_body(b"<html>oops", &cfg)
-            .unwrap_err()
-            .contains("not JSON"));
+        let e = parse_body(b"<html>oops", &cfg).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "body is not JSON; starts with \"<html>oops\""
+        );
+        assert!(format!("{:#}", anyhow::Error::new(e)).contains("expected value at line 1"));
         assert!(parse_body(br#"{"other":[]}"#, &cfg)
             .unwrap_err()
+            .to_string()
             .contains("`/endpoints` not found"));
         assert!(parse_body(br#"{"endpoints":{}}"#, &cfg)
             .unwrap_err()
+            .to_string()
             .contains("not an array"));
         let e = parse_body(br#"{"endpoints":[{"port":1,"maxStreams":4}]}"#, &cfg).unwrap_err();
-        assert!(e.contains("/endpoints/0: `streams`"), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "/endpoints/0: `streams` missing or not a non-negative integer"
+        );
         let e = parse_body(
             br#"{"endpoints":[{"port":70000,"streams":1,"maxStreams":4}]}"#,
             &cfg,
         )
         .unwrap_err();
-        assert!(e.contains("`port`"), "{e}");
+        assert_eq!(
+            e.to_string(),
+            "/endpoints/0: `port` missing or not a port number"
+        );
     }
 
     #[test]

@@ -1,12 +1,12 @@
-//! One scan: run both iterators and merge them into the socket table.
+//! One scan: run both iterators and merge them into the socket table. The kernel and /proc are
+//! reached only through `kernel` (the dumps, `kernel::procfs`); this module only drives them.
 use std::{
     collections::{HashMap, HashSet},
-    fs,
     time::{Duration, Instant},
 };
 
 use crate::{
-    kernel::{Kernel, KernelError},
+    kernel::{procfs, Kernel, KernelError},
     table::{self, FirstSeen, Holders, Socket, TableBuilder},
 };
 
@@ -22,10 +22,8 @@ pub struct Scanner {
 impl Scanner {
     pub fn new(kernel: Kernel) -> Self {
         // The namespace's ephemeral port range (falls back to Linux's default).
-        let ephemeral = fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
-            .ok()
-            .and_then(|t| table::parse_port_range(&t))
-            .unwrap_or_else(|| table::HostInfo::default().ephemeral);
+        let ephemeral =
+            procfs::ephemeral_ports().unwrap_or_else(|| table::HostInfo::default().ephemeral);
         Scanner {
             host: table::HostInfo {
                 hz: kernel.hz,
@@ -57,7 +55,7 @@ impl Scanner {
             &self.host,
             &mut self.first_seen,
             self.last_len,
-            monotonic_ns(),
+            procfs::monotonic_ns(),
         );
         let mut holders = Holders::default();
         let (sockets, owners) = if parallel {
@@ -68,7 +66,7 @@ impl Scanner {
             (sockets, self.kernel.for_each_owner(|o| holders.push(&o))?)
         };
         let dumps_done = Instant::now();
-        let end_ns = monotonic_ns();
+        let end_ns = procfs::monotonic_ns();
         // Forget units of pids that hold no socket any more (pids get reused).
         let live: HashSet<u32> = holders.pids().collect();
         self.units.retain(|pid, _| live.contains(pid));
@@ -76,11 +74,7 @@ impl Scanner {
         let mut unit_of = |pid: u32| {
             units
                 .entry(pid)
-                .or_insert_with(|| {
-                    fs::read_to_string(format!("/proc/{pid}/cgroup"))
-                        .ok()
-                        .and_then(|c| table::unit_from_cgroup(&c))
-                })
+                .or_insert_with(|| procfs::unit_of(pid))
                 .clone()
         };
         let table = b.finish(holders, end_ns, &mut unit_of);
@@ -103,15 +97,4 @@ impl Scanner {
         );
         Ok(table)
     }
-}
-
-/// CLOCK_MONOTONIC in ns (what first-seen bounds are kept in).
-fn monotonic_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: clock_gettime writes the timespec we pass; CLOCK_MONOTONIC always exists.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }

@@ -86,8 +86,8 @@ impl ScanLoop {
             Ok(out) => out,
             Err(e) => {
                 self.metrics.scan_errors.inc();
+                let e = format!("{:#}", anyhow::Error::new(e));
                 tracing::error!(error = %e, "scan failed");
-                let e = e.to_string();
                 self.published.send_modify(|p| {
                     p.table = TableView::Failed(e.clone());
                     p.last_scan_error = Some(e);
@@ -121,7 +121,7 @@ impl ScanLoop {
         let table = match self.engine.rounds(table, quotas.clone()).await {
             Ok((table, _rounds)) => table,
             Err(e) => {
-                tracing::error!(error = %e, "reclaim rounds failed");
+                tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)), "reclaim rounds failed");
                 Vec::new()
             }
         };
@@ -157,7 +157,7 @@ impl ScanLoop {
     /// Every quota source's reading: HTTP sources from their pollers, static ones counted from
     /// `table`.
     fn quotas(&self, table: &[Socket]) -> Vec<QuotaStatus> {
-        let now = chrono::Utc::now().to_rfc3339_opts(chrono::SecondsFormat::Millis, true);
+        let now = crate::present::rfc3339_ms(chrono::Utc::now());
         self.cfg
             .quota
             .iter()

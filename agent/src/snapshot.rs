@@ -1,93 +1,18 @@
 //! Filters, grouping and rendering of the socket table (`connreap snapshot`, `GET /v1/sockets`).
+mod filter;
 mod row;
 
 use std::{fmt::Write as _, time::Duration};
 
 use rustc_hash::{FxHashMap, FxHashSet};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 
-use crate::table::{Socket, TcpState};
+pub use filter::FilterArgs;
 
-/// Filters as given on the command line or in a query string (comma-separated lists).
-#[derive(Debug, Default, Clone, clap::Args, Deserialize)]
-pub struct FilterArgs {
-    /// Only these states, comma-separated (e.g. CLOSE_WAIT,ESTABLISHED).
-    #[arg(long)]
-    pub state: Option<String>,
-    /// Only sockets with this local, peer or service port (comma-separated).
-    #[arg(long)]
-    pub port: Option<String>,
-    /// Only sockets owned by these pids (comma-separated).
-    #[arg(long)]
-    pub pid: Option<String>,
-    /// Only sockets owned by processes with this command name (comma-separated).
-    #[arg(long)]
-    pub comm: Option<String>,
-    /// Only sockets idle at least this long (e.g. 30s, 5m).
-    #[arg(long = "idle-min")]
-    #[serde(alias = "idle-min")]
-    pub idle_min: Option<String>,
-}
-
-#[derive(Debug, Default, Clone, PartialEq)]
-pub struct Filter {
-    pub states: Vec<TcpState>,
-    pub ports: Vec<u16>,
-    pub pids: Vec<u32>,
-    pub comms: Vec<String>,
-    pub idle_min: Option<Duration>,
-}
-
-fn list<T>(
-    v: &Option<String>,
-    what: &str,
-    parse: impl Fn(&str) -> Result<T, String>,
-) -> Result<Vec<T>, String> {
-    v.iter()
-        .flat_map(|s| s.split(','))
-        .map(str::trim)
-        .filter(|s| !s.is_empty())
-        .map(|s| parse(s).map_err(|e| format!("invalid {what} `{s}`: {e}")))
-        .collect()
-}
-
-impl FilterArgs {
-    pub fn parse(&self) -> Result<Filter, String> {
-        Ok(Filter {
-            states: list(&self.state, "state", |s| s.parse())?,
-            ports: list(&self.port, "port", |s| {
-                s.parse::<u16>().map_err(|e| e.to_string())
-            })?,
-            pids: list(&self.pid, "pid", |s| {
-                s.parse::<u32>().map_err(|e| e.to_string())
-            })?,
-            comms: list(&self.comm, "comm", |s| Ok(s.to_string()))?,
-            idle_min: self
-                .idle_min
-                .as_deref()
-                .map(|s| {
-                    humantime::parse_duration(s).map_err(|e| format!("invalid idle-min `{s}`: {e}"))
-                })
-                .transpose()?,
-        })
-    }
-}
-
-impl Filter {
-    pub fn matches(&self, s: &Socket) -> bool {
-        (self.states.is_empty() || self.states.contains(&s.state))
-            && (self.ports.is_empty()
-                || self
-                    .ports
-                    .iter()
-                    .any(|p| *p == s.local.port() || *p == s.peer.port() || *p == s.service_port))
-            && (self.pids.is_empty() || s.pid().is_some_and(|p| self.pids.contains(&p)))
-            && (self.comms.is_empty() || self.comms.iter().any(|c| c == s.comm()))
-            && self
-                .idle_min
-                .is_none_or(|min| s.idle.is_some_and(|idle| idle >= min))
-    }
-}
+use crate::{
+    present::{self, human},
+    table::{Socket, TcpState},
+};
 
 /// One line of the summary: sockets grouped by (owner process, service port, state).
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -98,15 +23,11 @@ pub struct Group {
     pub service_port: u16,
     pub state: TcpState,
     pub count: usize,
-    #[serde(serialize_with = "secs")]
+    #[serde(serialize_with = "present::secs")]
     pub oldest_age_secs: Duration,
     /// False when any age in the group is only a lower bound.
     pub oldest_age_exact: bool,
     pub idle_count: usize,
-}
-
-fn secs<S: serde::Serializer>(d: &Duration, s: S) -> Result<S::Ok, S::Error> {
-    s.serialize_f64((d.as_secs_f64() * 1000.0).round() / 1000.0)
 }
 
 /// Group sockets, largest group first.
@@ -288,18 +209,6 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     w.write_all(b"}").map_err(io)
 }
 
-/// Compact human duration: 850ms, 42s, 3m12s, 2h05m, 3d04h.
-pub fn human(d: Duration) -> String {
-    let s = d.as_secs();
-    match s {
-        0 => format!("{}ms", d.subsec_millis()),
-        1..=59 => format!("{s}s"),
-        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
-        3600..=86399 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
-        _ => format!("{}d{:02}h", s / 86400, (s % 86400) / 3600),
-    }
-}
-
 fn age_str(s: &Socket) -> String {
     if s.age_exact {
         human(s.age)
@@ -376,11 +285,18 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use crate::table::{Direction, Owner};
 
-    fn sock(pid: u32, comm: &str, state: TcpState, port: u16, age: u64, idle: u64) -> Socket {
+    pub(crate) fn sock(
+        pid: u32,
+        comm: &str,
+        state: TcpState,
+        port: u16,
+        age: u64,
+        idle: u64,
+    ) -> Socket {
         let mut s = Socket::new(
             "127.0.0.1:45000".parse().unwrap(),
             format!("127.0.0.1:{port}").parse().unwrap(),
@@ -400,49 +316,6 @@ mod tests {
         }));
         s.fd = 3;
         s
-    }
-
-    #[test]
-    fn filters_combine() {
-        let args = FilterArgs {
-            state: Some("close_wait".into()),
-            port: Some("80".into()),
-            comm: Some("java".into()),
-            idle_min: Some("30s".into()),
-            ..Default::default()
-        };
-        let f = args.parse().unwrap();
-        assert!(f.matches(&sock(1, "java", TcpState::CloseWait, 80, 100, 60)));
-        assert!(!f.matches(&sock(1, "java", TcpState::CloseWait, 80, 100, 10)));
-        assert!(!f.matches(&sock(1, "node", TcpState::CloseWait, 80, 100, 60)));
-        assert!(!f.matches(&sock(1, "java", TcpState::Established, 80, 100, 60)));
-        assert!(!f.matches(&sock(1, "java", TcpState::CloseWait, 81, 100, 60)));
-        let pid = FilterArgs {
-            pid: Some("7,8".into()),
-            ..Default::default()
-        }
-        .parse()
-        .unwrap();
-        assert!(pid.matches(&sock(8, "x", TcpState::Listen, 1, 0, 0)));
-        assert!(!pid.matches(&sock(9, "x", TcpState::Listen, 1, 0, 0)));
-    }
-
-    #[test]
-    fn bad_filters_name_the_cause() {
-        let e = FilterArgs {
-            port: Some("http".into()),
-            ..Default::default()
-        }
-        .parse()
-        .unwrap_err();
-        assert!(e.contains("invalid port `http`"), "{e}");
-        let e = FilterArgs {
-            idle_min: Some("soon".into()),
-            ..Default::default()
-        }
-        .parse()
-        .unwrap_err();
-        assert!(e.contains("idle-min"), "{e}");
     }
 
     #[test]
@@ -566,12 +439,5 @@ mod tests {
                 );
             }
         }
-    }
-
-    #[test]
-    fn human_durations() {
-        assert_eq!(human(Duration::from_millis(850)), "850ms");
-        assert_eq!(human(Duration::from_secs(192)), "3m12s");
-        assert_eq!(human(Duration::from_secs(7500)), "2h05m");
     }
 }

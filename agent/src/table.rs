@@ -69,9 +69,21 @@ impl fmt::Display for TcpState {
     }
 }
 
+/// A TCP state name that is none of [`STATES`].
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("unknown TCP state `{name}` (expected one of {})", expected_states())]
+pub struct ParseStateError {
+    pub name: String,
+}
+
+fn expected_states() -> String {
+    let names: Vec<&str> = STATES.iter().map(|s| s.2).collect();
+    names.join(", ")
+}
+
 impl FromStr for TcpState {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
+    type Err = ParseStateError;
+    fn from_str(s: &str) -> Result<Self, ParseStateError> {
         let norm = s.trim().to_ascii_uppercase().replace('-', "_");
         let norm = match norm.as_str() {
             "ESTAB" => "ESTABLISHED".to_string(),
@@ -81,13 +93,7 @@ impl FromStr for TcpState {
             .iter()
             .find(|st| st.2 == norm)
             .map(|st| st.0)
-            .ok_or_else(|| {
-                let names: Vec<&str> = STATES.iter().map(|s| s.2).collect();
-                format!(
-                    "unknown TCP state `{s}` (expected one of {})",
-                    names.join(", ")
-                )
-            })
+            .ok_or_else(|| ParseStateError { name: s.into() })
     }
 }
 
@@ -261,44 +267,8 @@ pub struct Socket {
     pub age_exact: bool,
 }
 
-pub(crate) fn round_secs(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1000.0).round() / 1000.0
-}
-
 fn opt_ms(ms: u64) -> Option<Duration> {
     (ms != NO_MS).then(|| Duration::from_millis(ms))
-}
-
-impl Serialize for Socket {
-    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-        use serde::ser::SerializeMap as _;
-        let mut m = s.serialize_map(None)?;
-        m.serialize_entry("inode", &self.inode)?;
-        m.serialize_entry("cookie", &(self.cookie != 0).then_some(self.cookie))?;
-        m.serialize_entry("local", &self.local)?;
-        m.serialize_entry("peer", &self.peer)?;
-        m.serialize_entry("state", &self.state)?;
-        m.serialize_entry("age_secs", &round_secs(self.age))?;
-        m.serialize_entry("age_exact", &self.age_exact)?;
-        m.serialize_entry("idle_secs", &self.idle.map(round_secs))?;
-        m.serialize_entry("last_recv_secs", &self.last_recv().map(round_secs))?;
-        m.serialize_entry("last_send_secs", &self.last_send().map(round_secs))?;
-        m.serialize_entry("rx_queue", &self.rx_queue)?;
-        m.serialize_entry("tx_queue", &self.tx_queue)?;
-        m.serialize_entry("uid", &self.uid)?;
-        m.serialize_entry("direction", &self.direction)?;
-        m.serialize_entry("service_port", &self.service_port)?;
-        if let Some(o) = &self.owner {
-            m.serialize_entry("pid", &o.pid)?;
-            m.serialize_entry("comm", &*o.comm)?;
-            m.serialize_entry("fd", &self.fd)?;
-            m.serialize_entry("unit", &o.unit.as_deref())?;
-        }
-        if !self.shared_with.is_empty() {
-            m.serialize_entry("shared_with", &self.shared_with)?;
-        }
-        m.end()
-    }
 }
 
 impl Socket {
@@ -376,15 +346,6 @@ impl Default for HostInfo {
     }
 }
 
-/// Parse /proc/sys/net/ipv4/ip_local_port_range ("32768\t60999").
-pub fn parse_port_range(text: &str) -> Option<std::ops::RangeInclusive<u16>> {
-    let mut it = text.split_whitespace().map(|v| v.parse::<u16>());
-    match (it.next(), it.next()) {
-        (Some(Ok(a)), Some(Ok(b))) if a <= b => Some(a..=b),
-        _ => None,
-    }
-}
-
 /// A set of ports as a bitmap (8 KiB): looked up twice per row of a scan, where hashing cost
 /// more than the rest of the classification.
 #[derive(Clone)]
@@ -431,28 +392,6 @@ pub fn classify(
     }
 }
 
-/// systemd unit from the contents of /proc/<pid>/cgroup: the last `.service`/`.scope` path
-/// component, else the cgroup path itself (None for the root cgroup).
-pub fn unit_from_cgroup(contents: &str) -> Option<String> {
-    let path = contents
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .or_else(|| {
-            contents
-                .lines()
-                .next()
-                .and_then(|l| l.splitn(3, ':').nth(2))
-        })?
-        .trim();
-    if path.is_empty() || path == "/" {
-        return None;
-    }
-    path.rsplit('/')
-        .find(|c| c.ends_with(".service") || c.ends_with(".scope"))
-        .map(str::to_string)
-        .or_else(|| Some(path.to_string()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -476,22 +415,14 @@ mod tests {
     }
 
     #[test]
-    fn parses_states_and_units() {
+    fn parses_states() {
         assert_eq!("close-wait".parse::<TcpState>(), Ok(TcpState::CloseWait));
         assert_eq!("estab".parse::<TcpState>(), Ok(TcpState::Established));
         assert!("nope"
             .parse::<TcpState>()
             .unwrap_err()
-            .contains("CLOSE_WAIT"));
-        assert_eq!(
-            unit_from_cgroup("0::/system.slice/nginx.service\n").as_deref(),
-            Some("nginx.service")
-        );
-        assert_eq!(unit_from_cgroup("0::/\n"), None);
-        assert_eq!(
-            unit_from_cgroup("0::/mygroup\n").as_deref(),
-            Some("/mygroup")
-        );
+            .to_string()
+            .contains("`nope` (expected one of ESTABLISHED, SYN_SENT"));
     }
 
     #[test]
@@ -501,12 +432,11 @@ mod tests {
         assert_eq!(classify(50000, 80, &none, &eph), (Direction::Outbound, 80));
         assert_eq!(classify(22, 50000, &none, &eph), (Direction::Inbound, 22));
         // A namespace with a low ephemeral range: the client's port 20000 is ephemeral there.
-        let low = parse_port_range("10000\t20000\n").unwrap();
+        let low = 10000..=20000;
         assert_eq!(
             classify(20000, 30000, &none, &low),
             (Direction::Outbound, 30000)
         );
-        assert_eq!(parse_port_range("garbage"), None);
         let mut listening = PortSet::default();
         listening.insert(50000);
         assert_eq!(

@@ -11,10 +11,10 @@ use serde_json::{json, Value};
 use tokio::sync::Notify;
 
 use crate::{
-    alert::rfc3339,
     config::{AlertsConfig, WebhookConfig, WebhookFormat},
     metrics::Metrics,
     notify::{Alert, Notification, Reclaimed, Status},
+    present::rfc3339,
     tasks::Supervisor,
 };
 

@@ -137,3 +137,52 @@ fn destroy_mechanism_is_one_of_three() {
         "{e}"
     );
 }
+
+#[test]
+fn parse_errors_name_nested_keys_and_entries() {
+    let e = parse(
+        "[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = { comm = \"x\", states = [\"BOGUS\"] }\n",
+        "c.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("c.toml:4:33: `policy[0].select.states`: unknown TCP state `BOGUS`"),
+        "{e}"
+    );
+    let e = parse("[[policy]]\nname = \"p\"\nselect.comm = \"x\"\n", "c.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(
+        e.starts_with("c.toml:1:1: `policy[0]`: missing field `trigger`"),
+        "{e}"
+    );
+    // Dotted keys have positions too.
+    let e = parse(
+        "[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect.comm = \"x\"\nselect.states = [\"LISTEN\"]\n",
+        "c.toml",
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        e.starts_with("c.toml:5: `policy[0] (p).select.states`: LISTEN"),
+        "{e}"
+    );
+}
+
+#[test]
+fn text_that_is_not_toml_quotes_its_line() {
+    let e = parse("[agent]\nscan_interval = 5s\n", "c.toml")
+        .unwrap_err()
+        .to_string();
+    assert!(e.starts_with("c.toml:2:18: `scan_interval = 5s`: "), "{e}");
+}
+
+#[test]
+fn unreadable_files_keep_the_cause() {
+    let e = load(Path::new("/nonexistent/connreap.toml")).unwrap_err();
+    assert_eq!(
+        format!("{:#}", anyhow::Error::new(e)),
+        "/nonexistent/connreap.toml: cannot read: No such file or directory (os error 2)"
+    );
+}

@@ -1,10 +1,10 @@
 //! close_wait_buildup: a process that never closes sockets its peers closed.
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{describe_owners, oldest_briefs, processes, round3, Finding, Kind};
+use super::{describe_owners, oldest_briefs, processes, Finding, Kind};
 use crate::{
     config::DetectConfig,
-    snapshot::human,
+    present::{human, round_secs},
     table::{Socket, TcpState},
 };
 
@@ -59,7 +59,7 @@ pub fn detect(
         );
         f.service_port = Some(port);
         f.count = socks.len();
-        f.oldest_age_secs = round3(oldest);
+        f.oldest_age_secs = round_secs(oldest);
         f.processes = owners;
         f.sockets = oldest_briefs(socks.iter().copied());
         f.growth = Some(socks.len() as i64 - prev_counts.get(&key).copied().unwrap_or(0) as i64);

@@ -5,7 +5,7 @@ mod pairs;
 mod quota;
 mod storm;
 
-use std::{collections::BTreeMap, time::Duration};
+use std::collections::BTreeMap;
 
 use serde::Serialize;
 
@@ -14,6 +14,7 @@ pub use storm::{ConnKey, StormTracker};
 
 use crate::{
     config::{DetectConfig, QuotaConfig},
+    present::round_secs,
     quota::QuotaStatus,
     table::{Socket, TcpState},
 };
@@ -125,18 +126,14 @@ impl Finding {
     }
 }
 
-fn round3(d: Duration) -> f64 {
-    (d.as_secs_f64() * 1000.0).round() / 1000.0
-}
-
 pub fn brief(s: &Socket) -> SocketBrief {
     SocketBrief {
         local: s.local.to_string(),
         peer: s.peer.to_string(),
         state: s.state,
-        age_secs: round3(s.age),
+        age_secs: round_secs(s.age),
         age_exact: s.age_exact,
-        idle_secs: s.idle.map(round3),
+        idle_secs: s.idle.map(round_secs),
         pid: s.pid(),
         comm: s.comm().to_string(),
         inode: s.inode,

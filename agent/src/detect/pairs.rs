@@ -3,10 +3,10 @@ use std::{collections::BTreeMap, net::SocketAddr};
 
 use rustc_hash::FxHashMap;
 
-use super::{describe_owners, oldest_briefs, round3, Finding, Kind, ProcessCount};
+use super::{describe_owners, oldest_briefs, Finding, Kind, ProcessCount};
 use crate::{
     config::DetectConfig,
-    snapshot::human,
+    present::{human, round_secs},
     table::{canon, Direction, Socket, TcpState},
 };
 
@@ -115,7 +115,7 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
         );
         f.service_port = Some(port);
         f.count = pairs.len();
-        f.oldest_age_secs = round3(oldest);
+        f.oldest_age_secs = round_secs(oldest);
         f.processes = procs;
         f.sockets = oldest_briefs(pairs.iter().flat_map(|p| [p.client, p.server]));
         out.push(f);

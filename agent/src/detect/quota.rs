@@ -2,12 +2,12 @@
 use rustc_hash::FxHashMap;
 
 use super::{
-    describe_owners, local_pairs, oldest_briefs, processes, round3, Finding, Input, Kind, QuotaRef,
+    describe_owners, local_pairs, oldest_briefs, processes, Finding, Input, Kind, QuotaRef,
 };
 use crate::{
     config::QuotaConfig,
+    present::{human, round_secs},
     quota::{static_sockets, QuotaEntry, QuotaStatus},
-    snapshot::human,
     table::{Direction, Socket, TcpState},
 };
 
@@ -81,46 +81,8 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 .flatten()
                 .collect();
             let procs = processes(ends.iter().copied());
-            let min_idle = idle.iter().filter_map(|s| s.idle).min().unwrap_or_default();
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
-            let socket_port = qcfg.socket_port(entry.port);
-            let mut summary = format!(
-                "{} quota on port {} at {}/{}",
-                status.name, entry.port, entry.used, entry.limit
-            );
-            if socket_port != entry.port {
-                summary.push_str(&format!(" (connections on local port {socket_port})"));
-            }
-            if conns.is_empty() {
-                summary.push_str("; no matching connections on this host");
-            } else {
-                summary.push_str(&format!(
-                    "; {} of {} connections idle{} for ≥ {}",
-                    idle.len(),
-                    conns.len(),
-                    if idle.iter().any(|s| s.state == TcpState::CloseWait) {
-                        " or CLOSE_WAIT"
-                    } else {
-                        ""
-                    },
-                    human(min_idle)
-                ));
-                let mut sides: Vec<String> = Vec::new();
-                let client_side: Vec<&Socket> = conns
-                    .iter()
-                    .filter_map(|s| other_end.get(&s.skaddr).copied())
-                    .collect();
-                if !client_side.is_empty() {
-                    sides.push(describe_owners(&processes(client_side.iter().copied())));
-                }
-                sides.push(describe_owners(&processes(conns.iter().copied())));
-                summary.push_str(&format!("; held by {}", sides.join(" ↔ ")));
-                summary.push_str(if leak {
-                    "; verdict: leak"
-                } else {
-                    "; verdict: load (connections are busy)"
-                });
-            }
+            let summary = summary(status, qcfg, entry, &conns, &idle, &other_end, leak);
             let mut f = Finding::new(
                 Kind::QuotaExhaustedByLeak,
                 &format!("{}:{}", status.name, entry.port),
@@ -128,7 +90,7 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
             );
             f.service_port = Some(entry.port);
             f.count = conns.len();
-            f.oldest_age_secs = round3(oldest);
+            f.oldest_age_secs = round_secs(oldest);
             f.processes = procs;
             f.quota = Some(QuotaRef {
                 name: status.name.clone(),
@@ -141,6 +103,59 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
         }
     }
     out
+}
+
+/// The finding's summary: the quota reading, how many of its connections are idle, who holds
+/// both ends, and the verdict.
+fn summary(
+    status: &QuotaStatus,
+    qcfg: &QuotaConfig,
+    entry: &QuotaEntry,
+    conns: &[&Socket],
+    idle: &[&Socket],
+    other_end: &FxHashMap<u64, &Socket>,
+    leak: bool,
+) -> String {
+    let socket_port = qcfg.socket_port(entry.port);
+    let mut summary = format!(
+        "{} quota on port {} at {}/{}",
+        status.name, entry.port, entry.used, entry.limit
+    );
+    if socket_port != entry.port {
+        summary.push_str(&format!(" (connections on local port {socket_port})"));
+    }
+    if conns.is_empty() {
+        summary.push_str("; no matching connections on this host");
+        return summary;
+    }
+    let min_idle = idle.iter().filter_map(|s| s.idle).min().unwrap_or_default();
+    summary.push_str(&format!(
+        "; {} of {} connections idle{} for ≥ {}",
+        idle.len(),
+        conns.len(),
+        if idle.iter().any(|s| s.state == TcpState::CloseWait) {
+            " or CLOSE_WAIT"
+        } else {
+            ""
+        },
+        human(min_idle)
+    ));
+    let mut sides: Vec<String> = Vec::new();
+    let client_side: Vec<&Socket> = conns
+        .iter()
+        .filter_map(|s| other_end.get(&s.skaddr).copied())
+        .collect();
+    if !client_side.is_empty() {
+        sides.push(describe_owners(&processes(client_side.iter().copied())));
+    }
+    sides.push(describe_owners(&processes(conns.iter().copied())));
+    summary.push_str(&format!("; held by {}", sides.join(" ↔ ")));
+    summary.push_str(if leak {
+        "; verdict: leak"
+    } else {
+        "; verdict: load (connections are busy)"
+    });
+    summary
 }
 
 pub fn unavailable(quotas: &[QuotaStatus]) -> Vec<Finding> {

@@ -19,7 +19,7 @@ use aya::{
 };
 use connreap_ebpf::{kfunc, names, DestroyRequest};
 
-use super::{full_chain, offsets, program_error, KernelError, BTF_PATH};
+use super::{offsets, program_error, IterError, KernelError, BTF_PATH};
 
 pub const MECHANISM: &str = "bpf-sock-destroy";
 
@@ -66,18 +66,16 @@ impl BpfDestroyer {
         let btf_id = kernel_btf.func_id("bpf_sock_destroy")?;
         let mut object = object.to_vec();
         if patch_kfunc(&mut object, btf_id) == 0 {
-            return Err(KernelError::Load(
-                "the BPF object has no bpf_sock_destroy call to patch".into(),
-            ));
+            return Err(KernelError::NoKfuncCall);
         }
         let offsets = kernel_btf.offsets()?;
         let mut loader = EbpfLoader::new();
         loader.override_global(names::OFFSETS, &offsets, true);
         let ebpf = super::with_pinned_maps(&mut loader, pin_dir)
             .load(&object)
-            .map_err(|e| KernelError::Load(full_chain(&e)))?;
+            .map_err(KernelError::Object)?;
         let mut me = BpfDestroyer { ebpf, verbose };
-        let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+        let btf = Btf::from_sys_fs().map_err(KernelError::KernelBtf)?;
         let verbose = me.verbose;
         me.iter()?
             .load("tcp", &btf)
@@ -89,9 +87,9 @@ impl BpfDestroyer {
         let p = self
             .ebpf
             .program_mut(names::PROG_ITER_DESTROY)
-            .ok_or_else(|| KernelError::Load("destroy iterator missing from the object".into()))?;
+            .ok_or(KernelError::MissingProgram(names::PROG_ITER_DESTROY))?;
         p.try_into()
-            .map_err(|_| KernelError::Load("destroy iterator has an unexpected type".into()))
+            .map_err(|_| KernelError::ProgramType(names::PROG_ITER_DESTROY))
     }
 
     fn requests(&mut self) -> Result<BpfHashMap<&mut MapData, u64, DestroyRequest>, KernelError> {
@@ -99,75 +97,112 @@ impl BpfDestroyer {
             .ebpf
             .map_mut(names::DESTROY_MAP)
             .ok_or(KernelError::MissingMap(names::DESTROY_MAP))?;
-        BpfHashMap::try_from(map).map_err(|e| KernelError::Load(e.to_string()))
+        BpfHashMap::try_from(map).map_err(KernelError::map(names::DESTROY_MAP))
     }
 
     /// Destroy the sockets with these inodes (each at the given kernel address, 0 = any) in one
     /// pass over the namespace's TCP sockets.
     pub fn destroy(&mut self, targets: &[(u64, u64)]) -> Result<Vec<DestroyResult>, KernelError> {
-        let err = |reason: String| KernelError::Iterate {
-            what: "destroy",
-            reason,
-        };
         let mut out = Vec::with_capacity(targets.len());
         for chunk in targets.chunks(kfunc::MAX_TARGETS as usize) {
-            {
-                let mut reqs = self.requests()?;
-                let stale: Vec<u64> = reqs.keys().flatten().collect();
-                for k in stale {
-                    let _ = reqs.remove(&k);
-                }
-                for &(inode, skaddr) in chunk {
-                    let req = DestroyRequest {
-                        skaddr,
-                        ..Default::default()
-                    };
-                    reqs.insert(inode, req, 0)
-                        .map_err(|e| err(full_chain(&e)))?;
-                }
-            }
-            let it = self.iter()?;
-            let id = it.attach().map_err(|e| err(full_chain(&e)))?;
-            let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
-            let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
-            let mut sink = Vec::new();
-            file.read_to_end(&mut sink)
-                .map_err(|e| err(e.to_string()))?;
-            let mut reqs = self.requests()?;
-            for &(inode, _) in chunk {
-                let r = match reqs.get(&inode, 0) {
-                    Ok(r) if r.done == 0 => DestroyResult::NotFound,
-                    Ok(r) if r.result == 0 => DestroyResult::Destroyed,
-                    Ok(r) if r.result == kfunc::MISMATCH => DestroyResult::Mismatch,
-                    Ok(r) => DestroyResult::Errno(-r.result),
-                    Err(e) => return Err(err(full_chain(&e))),
-                };
-                let _ = reqs.remove(&inode);
-                out.push(r);
-            }
+            self.destroy_chunk(chunk, &mut out)?;
         }
         Ok(out)
     }
 
+    /// One pass of the destroy iterator over at most `kfunc::MAX_TARGETS` targets.
+    fn destroy_chunk(
+        &mut self,
+        chunk: &[(u64, u64)],
+        out: &mut Vec<DestroyResult>,
+    ) -> Result<(), KernelError> {
+        let err = KernelError::iterate("destroy");
+        {
+            let mut reqs = self.requests()?;
+            let stale: Vec<u64> = reqs.keys().flatten().collect();
+            for k in stale {
+                let _ = reqs.remove(&k);
+            }
+            for &(inode, skaddr) in chunk {
+                let req = DestroyRequest {
+                    skaddr,
+                    ..Default::default()
+                };
+                reqs.insert(inode, req, 0)
+                    .map_err(|e| err(IterError::Map(e)))?;
+            }
+        }
+        let it = self.iter()?;
+        let run = |it: &mut Iter| -> Result<(), IterError> {
+            let id = it.attach()?;
+            let mut file = it.take_link(id)?.into_file()?;
+            file.read_to_end(&mut Vec::new())?;
+            Ok(())
+        };
+        run(it).map_err(&err)?;
+        let mut reqs = self.requests()?;
+        for &(inode, _) in chunk {
+            let r = match reqs.get(&inode, 0) {
+                Ok(r) if r.done == 0 => DestroyResult::NotFound,
+                Ok(r) if r.result == 0 => DestroyResult::Destroyed,
+                Ok(r) if r.result == kfunc::MISMATCH => DestroyResult::Mismatch,
+                Ok(r) => DestroyResult::Errno(-r.result),
+                Err(e) => return Err(err(IterError::Map(e))),
+            };
+            let _ = reqs.remove(&inode);
+            out.push(r);
+        }
+        Ok(())
+    }
+
     /// Check that the fallback works here, on a loopback pair of our own.
-    pub fn probe(&mut self) -> Result<&'static str, String> {
+    pub fn probe(&mut self) -> Result<&'static str, ProbeError> {
         probe_pair(|_, _, client| {
-            let inode = inode_of(client)?;
+            let inode = inode_of(client).map_err(ProbeError::Fstat)?;
             match self.destroy(&[(inode, 0)]) {
                 Ok(r) if r == [DestroyResult::Destroyed] => Ok(()),
-                Ok(r) => Err(format!("bpf_sock_destroy on the probe socket: {r:?}")),
-                Err(e) => Err(e.to_string()),
+                Ok(r) => Err(ProbeError::BpfResult(r)),
+                Err(e) => Err(ProbeError::Bpf(Box::new(e))),
             }
         })?;
         Ok(MECHANISM)
     }
 }
 
-fn inode_of(s: &TcpStream) -> Result<u64, String> {
+/// Why a destroy mechanism failed its check on a loopback pair of our own.
+#[derive(Debug, thiserror::Error)]
+pub enum ProbeError {
+    /// Setting up the pair (`step`: listener, connect, accept, ...).
+    #[error("probe {step}")]
+    Setup {
+        step: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("probe socket survived the destroy (read gave {read:?})")]
+    Survived { read: std::io::Result<usize> },
+    #[error("sock_diag lookup")]
+    Lookup(#[source] super::diag::DiagError),
+    #[error("sock_diag lookup did not find the probe socket")]
+    NotFound,
+    #[error("netlink SOCK_DESTROY not supported (kernel built without CONFIG_INET_DIAG_DESTROY)")]
+    NetlinkUnsupported(#[source] super::diag::DiagError),
+    #[error("netlink SOCK_DESTROY failed")]
+    Netlink(#[source] super::diag::DiagError),
+    #[error("fstat of the probe socket")]
+    Fstat(#[source] std::io::Error),
+    #[error("bpf_sock_destroy on the probe socket: {0:?}")]
+    BpfResult(Vec<DestroyResult>),
+    #[error("bpf_sock_destroy on the probe socket")]
+    Bpf(#[source] Box<KernelError>),
+}
+
+fn inode_of(s: &TcpStream) -> std::io::Result<u64> {
     // SAFETY: fstat on an fd we own, into a zeroed struct.
     let mut st: libc::stat = unsafe { std::mem::zeroed() };
+    // SAFETY: as above; st is a valid, writable libc::stat.
     if unsafe { libc::fstat(s.as_raw_fd(), &mut st) } != 0 {
-        return Err(format!("fstat: {}", std::io::Error::last_os_error()));
+        return Err(std::io::Error::last_os_error());
     }
     Ok(st.st_ino)
 }
@@ -175,25 +210,22 @@ fn inode_of(s: &TcpStream) -> Result<u64, String> {
 /// Run `kill(local, peer, client)` on a fresh loopback connection of our own and check that
 /// the client then reads ECONNABORTED, as an application whose socket was reclaimed would.
 pub fn probe_pair(
-    kill: impl FnOnce(SocketAddr, SocketAddr, &TcpStream) -> Result<(), String>,
-) -> Result<(), String> {
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(|e| format!("probe listener: {e}"))?;
-    let server_addr = listener.local_addr().map_err(|e| e.to_string())?;
-    let mut client = TcpStream::connect(server_addr).map_err(|e| format!("probe connect: {e}"))?;
-    let (_server, _) = listener
-        .accept()
-        .map_err(|e| format!("probe accept: {e}"))?;
-    let local = client.local_addr().map_err(|e| e.to_string())?;
+    kill: impl FnOnce(SocketAddr, SocketAddr, &TcpStream) -> Result<(), ProbeError>,
+) -> Result<(), ProbeError> {
+    let setup = |step| move |source| ProbeError::Setup { step, source };
+    let listener = TcpListener::bind("127.0.0.1:0").map_err(setup("listener"))?;
+    let server_addr = listener.local_addr().map_err(setup("listener address"))?;
+    let mut client = TcpStream::connect(server_addr).map_err(setup("connect"))?;
+    let (_server, _) = listener.accept().map_err(setup("accept"))?;
+    let local = client.local_addr().map_err(setup("client address"))?;
     kill(local, server_addr, &client)?;
     client
         .set_read_timeout(Some(std::time::Duration::from_secs(1)))
-        .map_err(|e| e.to_string())?;
+        .map_err(setup("read timeout"))?;
     let mut b = [0u8; 1];
     match client.read(&mut b) {
         Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => Ok(()),
-        other => Err(format!(
-            "probe socket survived the destroy (read gave {other:?})"
-        )),
+        read => Err(ProbeError::Survived { read }),
     }
 }
 

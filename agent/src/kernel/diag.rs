@@ -11,23 +11,31 @@ use netlink_packet_sock_diag::{
 };
 use netlink_sys::{protocols::NETLINK_SOCK_DIAG, Socket};
 
+use super::destroy::{probe_pair, ProbeError};
+
 /// The kernel's "any cookie" value.
 pub const NO_COOKIE: [u8; 8] = [0xff; 8];
 
 #[derive(Debug, thiserror::Error)]
 pub enum DiagError {
-    #[error("netlink socket: {0}")]
-    Socket(std::io::Error),
-    #[error("kernel answered {errno} ({msg})")]
-    Kernel { errno: i32, msg: String },
+    #[error("netlink socket")]
+    Socket(#[source] std::io::Error),
+    /// The kernel's answer was an error code.
+    #[error("kernel answered errno {}", .0.raw_os_error().unwrap_or_default())]
+    Kernel(#[source] std::io::Error),
+    #[error("cannot decode the netlink reply")]
+    Decode(#[source] netlink_packet_core::DecodeError),
+    #[error("netlink ACK without a socket")]
+    AckWithoutSocket,
+    /// A well-formed reply of an unexpected kind (its debug form).
     #[error("unexpected netlink reply: {0}")]
-    Reply(String),
+    Unexpected(String),
 }
 
 impl DiagError {
     pub fn errno(&self) -> Option<i32> {
         match self {
-            DiagError::Kernel { errno, .. } => Some(*errno),
+            DiagError::Kernel(e) => e.raw_os_error(),
             _ => None,
         }
     }
@@ -71,11 +79,7 @@ fn open() -> Result<Socket, DiagError> {
 }
 
 fn kernel_error(code: i32) -> DiagError {
-    let errno = code.abs();
-    DiagError::Kernel {
-        errno,
-        msg: std::io::Error::from_raw_os_error(errno).to_string(),
-    }
+    DiagError::Kernel(std::io::Error::from_raw_os_error(code.abs()))
 }
 
 fn send<T>(sock: &Socket, mut msg: NetlinkMessage<T>) -> Result<(), DiagError>
@@ -101,8 +105,8 @@ pub fn lookup(local: SocketAddr, peer: SocketAddr) -> Result<Option<DiagSocket>,
     send(&sock, msg)?;
     let mut buf = vec![0; 8192];
     let n = sock.recv(&mut &mut buf[..], 0).map_err(DiagError::Socket)?;
-    let reply = <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n])
-        .map_err(|e| DiagError::Reply(e.to_string()))?;
+    let reply =
+        <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n]).map_err(DiagError::Decode)?;
     match reply.payload {
         NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => Ok(Some(DiagSocket {
             inode: r.header.inode,
@@ -112,9 +116,9 @@ pub fn lookup(local: SocketAddr, peer: SocketAddr) -> Result<Option<DiagSocket>,
         NetlinkPayload::Error(e) => match e.code {
             Some(code) if code.get().abs() == libc::ENOENT => Ok(None),
             Some(code) => Err(kernel_error(code.get())),
-            None => Err(DiagError::Reply("ACK without a socket".into())),
+            None => Err(DiagError::AckWithoutSocket),
         },
-        other => Err(DiagError::Reply(format!("{other:?}"))),
+        other => Err(DiagError::Unexpected(format!("{other:?}"))),
     }
 }
 
@@ -133,31 +137,28 @@ pub fn destroy(local: SocketAddr, peer: SocketAddr, cookie: [u8; 8]) -> Result<(
     send(&sock, msg)?;
     let mut buf = vec![0; 8192];
     let n = sock.recv(&mut &mut buf[..], 0).map_err(DiagError::Socket)?;
-    let reply = <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n])
-        .map_err(|e| DiagError::Reply(e.to_string()))?;
+    let reply =
+        <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n]).map_err(DiagError::Decode)?;
     match reply.payload {
         NetlinkPayload::Error(e) => match e.code {
             None => Ok(()),
             Some(code) => Err(kernel_error(code.get())),
         },
-        other => Err(DiagError::Reply(format!("{other:?}"))),
+        other => Err(DiagError::Unexpected(format!("{other:?}"))),
     }
 }
 
 pub const MECHANISM: &str = "netlink-sock-destroy";
 
 /// Check that destroy works here, on a loopback pair of our own. Returns the mechanism name.
-pub fn probe() -> Result<&'static str, String> {
-    super::destroy::probe_pair(|local, server, _| {
+pub fn probe() -> Result<&'static str, ProbeError> {
+    probe_pair(|local, server, _| {
         let found = lookup(local, server)
-            .map_err(|e| format!("sock_diag lookup: {e}"))?
-            .ok_or("sock_diag lookup did not find the probe socket")?;
+            .map_err(ProbeError::Lookup)?
+            .ok_or(ProbeError::NotFound)?;
         destroy(local, server, found.cookie).map_err(|e| match e.errno() {
-            Some(libc::EOPNOTSUPP) => {
-                "netlink SOCK_DESTROY not supported (kernel built without CONFIG_INET_DIAG_DESTROY)"
-                    .to_string()
-            }
-            _ => format!("netlink SOCK_DESTROY failed: {e}"),
+            Some(libc::EOPNOTSUPP) => ProbeError::NetlinkUnsupported(e),
+            _ => ProbeError::Netlink(e),
         })
     })?;
     Ok(MECHANISM)

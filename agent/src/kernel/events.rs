@@ -2,48 +2,20 @@
 //!
 //! The tracker stages transitions per CPU and sends them over `CONNREAP_EVENTS` a full batch at
 //! a time (see `connreap_ebpf::EventBatch`). A CPU that sees few transitions would hold its
-//! partial batch indefinitely, so before each drain the reader runs `connreap_flush_events` on
-//! every online CPU with `BPF_PROG_TEST_RUN` + `BPF_F_TEST_RUN_ON_CPU` (kernel ≥ 5.10): the
-//! kernel runs it on that CPU (an IPI), where it sends the partial batch.
-use std::{
-    os::fd::{AsFd as _, AsRawFd as _},
-    path::Path,
-};
+//! partial batch indefinitely, so the ring reader periodically runs `connreap_flush_events` on
+//! every online CPU through aya's `TestRun` (`BPF_PROG_TEST_RUN` with
+//! `BPF_F_TEST_RUN_ON_CPU`, kernel >= 5.10): the kernel runs it on that CPU (an IPI), where it
+//! sends the partial batch.
+use std::{os::fd::AsRawFd as _, path::Path};
 
 use aya::{
     maps::{MapData, RingBuf},
-    programs::RawTracePoint,
+    programs::{ProgramError, RawTracePoint},
+    RawTracePointRunOptions, TestRun as _,
 };
 use connreap_ebpf::{flush, names, EventBatch, TransitionEvent};
 
 use super::KernelError;
-
-/// `enum bpf_cmd`: BPF_PROG_TEST_RUN.
-const BPF_PROG_TEST_RUN: libc::c_long = 10;
-/// `BPF_F_TEST_RUN_ON_CPU`: run on `cpu` instead of the calling CPU.
-const BPF_F_TEST_RUN_ON_CPU: u32 = 1;
-
-/// The `test` member of `union bpf_attr` (aya does not expose BPF_PROG_TEST_RUN).
-#[repr(C)]
-#[derive(Default)]
-struct TestRunAttr {
-    prog_fd: u32,
-    retval: u32,
-    data_size_in: u32,
-    data_size_out: u32,
-    data_in: u64,
-    data_out: u64,
-    repeat: u32,
-    duration: u32,
-    ctx_size_in: u32,
-    ctx_size_out: u32,
-    ctx_in: u64,
-    ctx_out: u64,
-    flags: u32,
-    cpu: u32,
-    batch_size: u32,
-    _pad: u32,
-}
 
 /// Runs the flush program on every online CPU.
 pub struct Flusher {
@@ -62,52 +34,40 @@ pub struct FlushRound {
 
 impl Flusher {
     pub(crate) fn from_pin(pin: &Path) -> Result<Self, KernelError> {
-        let prog = RawTracePoint::from_pin(pin).map_err(|e| KernelError::Program {
+        let prog = RawTracePoint::from_pin(pin).map_err(|source| KernelError::Program {
             program: names::PROG_FLUSH,
-            reason: super::full_chain(&e),
-            hint: String::new(),
+            source,
         })?;
-        let cpus = aya::util::online_cpus().map_err(|(path, e)| {
-            KernelError::Load(format!("cannot read the online CPUs from {path}: {e}"))
-        })?;
+        let cpus = aya::util::online_cpus()
+            .map_err(|(path, source)| KernelError::OnlineCpus { path, source })?;
         Ok(Flusher { prog, cpus })
     }
 
     /// Send every CPU's partial batch to the ring.
     pub fn flush(&self) -> Result<FlushRound, KernelError> {
-        let fd = self
-            .prog
-            .fd()
-            .map_err(|e| KernelError::Load(super::full_chain(&e)))?;
         let mut round = FlushRound::default();
         for &cpu in &self.cpus {
-            let mut attr = TestRunAttr {
-                prog_fd: fd.as_fd().as_raw_fd() as u32,
-                flags: BPF_F_TEST_RUN_ON_CPU,
-                cpu,
-                ..Default::default()
-            };
-            // SAFETY: bpf(2) with a zero-initialised attr of the documented layout and its size.
-            let rc = unsafe {
-                libc::syscall(
-                    libc::SYS_bpf,
-                    BPF_PROG_TEST_RUN,
-                    &mut attr as *mut TestRunAttr,
-                    std::mem::size_of::<TestRunAttr>(),
-                )
-            };
-            if rc < 0 {
-                let e = std::io::Error::last_os_error();
+            let run = self.prog.test_run(RawTracePointRunOptions {
+                cpu: Some(cpu),
+                ..RawTracePointRunOptions::new()
+            });
+            let retval = match run {
+                Ok(r) => r.return_value,
                 // A CPU taken offline since start: nothing staged there can be reached.
-                if e.raw_os_error() == Some(libc::ENXIO) {
-                    continue;
+                Err(ProgramError::SyscallError(e))
+                    if e.io_error.raw_os_error() == Some(libc::ENXIO) =>
+                {
+                    continue
                 }
-                return Err(KernelError::Load(format!(
-                    "running {} on CPU {cpu}: {e}",
-                    names::PROG_FLUSH
-                )));
-            }
-            match attr.retval as i32 {
+                Err(source) => {
+                    return Err(KernelError::Run {
+                        program: names::PROG_FLUSH,
+                        cpu,
+                        source,
+                    })
+                }
+            };
+            match retval as i32 {
                 flush::SENT => round.sent += 1,
                 flush::BUSY => round.busy += 1,
                 _ => {}
@@ -125,7 +85,7 @@ impl super::Kernel {
             .ebpf
             .take_map(names::EVENTS)
             .ok_or(KernelError::MissingMap(names::EVENTS))?;
-        let ring = RingBuf::try_from(map).map_err(|e| KernelError::Load(e.to_string()))?;
+        let ring = RingBuf::try_from(map).map_err(KernelError::map(names::EVENTS))?;
         tracing::debug!(fd = ring.as_raw_fd(), "transition ring opened");
         Ok((ring, Flusher::from_pin(&self.pin_dir.join("flush"))?))
     }

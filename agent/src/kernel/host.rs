@@ -51,7 +51,7 @@ pub(super) fn ensure_mounted(fstype: &'static str, path: &'static str) -> Result
         return Err(KernelError::Mount {
             fs: fstype,
             path,
-            reason: std::io::Error::last_os_error().to_string(),
+            source: std::io::Error::last_os_error(),
         });
     }
     tracing::warn!(
@@ -85,10 +85,10 @@ fn object_hash(object: &[u8]) -> String {
     format!("{h:016x}")
 }
 
-pub(super) fn pin_error(path: &Path, e: impl std::fmt::Display) -> KernelError {
+pub(super) fn pin_error(path: &Path, source: aya::pin::PinError) -> KernelError {
     KernelError::Pin {
-        path: path.display().to_string(),
-        reason: e.to_string(),
+        path: path.to_path_buf(),
+        source,
     }
 }
 
@@ -97,7 +97,10 @@ pub(super) fn pin_error(path: &Path, e: impl std::fmt::Display) -> KernelError {
 pub(super) fn prepare_pin_dir() -> Result<PathBuf, KernelError> {
     let root = pin_root();
     let dir = root.join(object_hash(OBJECT));
-    fs::create_dir_all(&dir).map_err(|e| pin_error(&dir, e))?;
+    fs::create_dir_all(&dir).map_err(|source| KernelError::PinDir {
+        path: dir.clone(),
+        source,
+    })?;
     if let Ok(entries) = fs::read_dir(&root) {
         for e in entries.flatten() {
             if e.path() != dir {

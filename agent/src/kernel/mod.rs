@@ -1,6 +1,7 @@
 //! All kernel access lives here: loading the BPF object, pinning the state tracker, running the
-//! socket and owner iterators, reading counters and transition events, and (in `diag`) netlink
-//! sock_diag. Everything above this module works on plain data.
+//! socket and owner iterators, reading counters and transition events, (in `diag`) netlink
+//! sock_diag, and (in `procfs`) what a scan reads from /proc and the clock. Everything above
+//! this module works on plain data.
 //!
 //! The state tracker (tracepoint + per-socket map + event ring + counters) is pinned under
 //! `/sys/fs/bpf/connreap/<object-hash>/` (another root with `CONNREAP_PIN_ROOT`, see `host`) so
@@ -9,13 +10,17 @@
 //! gets a new directory and the stale ones are removed, which detaches the old tracker.
 pub mod destroy;
 pub mod diag;
+pub mod error;
 pub mod events;
 mod host;
 mod hz;
 mod memory;
 pub mod offsets;
+pub mod procfs;
 pub mod ring;
 
+use error::program_error;
+pub use error::{IterError, KernelError};
 pub use host::unpin_all;
 use host::{ensure_mounted, load_lock, pin_error, prepare_pin_dir, raise_memlock};
 
@@ -44,38 +49,6 @@ static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o
 pub const BTF_PATH: &str = "/sys/kernel/btf/vmlinux";
 pub const BPFFS: &str = "/sys/fs/bpf";
 pub const TRACEFS: &str = "/sys/kernel/tracing";
-#[derive(Debug, thiserror::Error)]
-pub enum KernelError {
-    #[error("connreap must run as root (it loads BPF programs); try: sudo connreap ...")]
-    NotRoot,
-    #[error("this binary has no BPF object embedded: build it with `cargo xtask build`")]
-    NotBuilt,
-    #[error("kernel BTF not found at {BTF_PATH}: connreap needs a kernel built with CONFIG_DEBUG_INFO_BTF=y")]
-    NoBtf,
-    #[error("{0}")]
-    Offsets(#[from] offsets::OffsetError),
-    #[error("cannot mount {fs} at {path}: {reason}")]
-    Mount {
-        fs: &'static str,
-        path: &'static str,
-        reason: String,
-    },
-    #[error("cannot prepare pin directory {path}: {reason}")]
-    Pin { path: String, reason: String },
-    #[error("loading the BPF object failed: {0}")]
-    Load(String),
-    #[error("kernel refused BPF program {program}: {reason}{hint}")]
-    Program {
-        program: &'static str,
-        reason: String,
-        hint: String,
-    },
-    #[error("running the {what} iterator failed: {reason}")]
-    Iterate { what: &'static str, reason: String },
-    #[error("BPF map {0} missing from the object")]
-    MissingMap(&'static str),
-}
-
 /// Drop counters kept by the BPF side (summed over CPUs).
 #[derive(Debug, Default, Clone, serde::Serialize)]
 pub struct Counters {
@@ -227,10 +200,10 @@ impl Kernel {
         loader.override_global(names::OFFSETS, &offsets, true);
         let ebpf = with_pinned_maps(&mut loader, pin_dir)
             .load(OBJECT)
-            .map_err(|e| KernelError::Load(full_chain(&e)))?;
+            .map_err(KernelError::Object)?;
 
         let mut loaded = Loaded { ebpf, verbose };
-        let btf = Btf::from_sys_fs().map_err(|e| KernelError::Load(e.to_string()))?;
+        let btf = Btf::from_sys_fs().map_err(KernelError::KernelBtf)?;
         loaded.attach_tracker(&pin_dir.join("link"), &btf)?;
         for (prog, iter_type, pin) in [
             (names::PROG_ITER_TCP, "tcp", pin_dir.join("iter_tcp")),
@@ -290,9 +263,8 @@ impl Loaded {
         let p = self
             .ebpf
             .program_mut(name)
-            .ok_or_else(|| KernelError::Load(format!("program {name} missing from the object")))?;
-        <&mut T>::try_from(p)
-            .map_err(|_| KernelError::Load(format!("program {name} has an unexpected type")))
+            .ok_or(KernelError::MissingProgram(name))?;
+        <&mut T>::try_from(p).map_err(|_| KernelError::ProgramType(name))
     }
 
     /// Attach the state-change tracepoint unless a pinned link from an earlier run is alive.
@@ -306,14 +278,12 @@ impl Loaded {
         let tp: &mut BtfTracePoint = self.program(names::PROG_STATE)?;
         tp.load("inet_sock_set_state", btf)
             .map_err(|e| program_error(verbose, names::PROG_STATE, e))?;
-        let id = tp.attach().map_err(|e| KernelError::Program {
+        let program_error = |source| KernelError::Program {
             program: names::PROG_STATE,
-            reason: full_chain(&e),
-            hint: String::new(),
-        })?;
-        let link = tp
-            .take_link(id)
-            .map_err(|e| KernelError::Load(e.to_string()))?;
+            source,
+        };
+        let id = tp.attach().map_err(program_error)?;
+        let link = tp.take_link(id).map_err(program_error)?;
         let fd_link: FdLink = link.into();
         match fd_link.pin(link_pin) {
             Ok(_) => Ok(()),
@@ -332,16 +302,19 @@ impl Kernel {
 
     /// Run an iterator and hand each complete record to `f` as it is read (a small reused
     /// buffer: the dump is never held in memory as bytes).
-    fn run_iter<T: Copy + Default>(
+    fn run_iter<T: aya::Pod>(
         it: &mut Iter,
         what: &'static str,
-        mut f: impl FnMut(T),
+        f: impl FnMut(T),
     ) -> Result<Dump, KernelError> {
-        let err = |reason: String| KernelError::Iterate { what, reason };
+        Self::dump(it, f).map_err(KernelError::iterate(what))
+    }
+
+    fn dump<T: aya::Pod>(it: &mut Iter, mut f: impl FnMut(T)) -> Result<Dump, IterError> {
         let start = Instant::now();
-        let id = it.attach().map_err(|e| err(full_chain(&e)))?;
-        let link = it.take_link(id).map_err(|e| err(full_chain(&e)))?;
-        let mut file = link.into_file().map_err(|e| err(full_chain(&e)))?;
+        let id = it.attach()?;
+        let link = it.take_link(id)?;
+        let mut file = link.into_file()?;
         let size = std::mem::size_of::<T>();
         let mut buf = vec![0u8; 64 * 1024];
         let mut filled = 0;
@@ -354,7 +327,7 @@ impl Kernel {
                 Ok(0) => break,
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(err(e.to_string())),
+                Err(e) => return Err(e.into()),
             };
             filled += n;
             let whole = filled - filled % size;
@@ -394,10 +367,7 @@ impl Kernel {
                 scope.spawn(move || Self::run_iter(iter_files, "iter/task_file", on_owner));
             let sockets = Self::run_iter(iter_tcp, "iter/tcp", on_socket);
             let owners = owners.join().unwrap_or_else(|_| {
-                Err(KernelError::Iterate {
-                    what: "iter/task_file",
-                    reason: "the owner dump's thread panicked".into(),
-                })
+                Err(KernelError::iterate("iter/task_file")(IterError::Panicked))
             });
             Ok((sockets?, owners?))
         })
@@ -409,7 +379,7 @@ impl Kernel {
         name: &'static str,
     ) -> Result<PerCpuArray<&MapData, V>, KernelError> {
         let map = self.ebpf.map(name).ok_or(KernelError::MissingMap(name))?;
-        PerCpuArray::try_from(map).map_err(|e| KernelError::Load(e.to_string()))
+        PerCpuArray::try_from(map).map_err(KernelError::map(name))
     }
 
     pub fn counters(&self) -> Result<Counters, KernelError> {
@@ -473,52 +443,12 @@ fn recursion_misses(fd: &aya::programs::ProgramFd) -> Option<u64> {
 }
 
 /// Fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
-fn records<T: Copy + Default>(buf: &[u8]) -> impl Iterator<Item = T> + '_ {
-    let size = std::mem::size_of::<T>();
-    buf.chunks_exact(size).map(move |chunk| {
-        let mut v = T::default();
-        // SAFETY: T is a #[repr(C)] Pod record; chunk has exactly size_of::<T>() bytes.
-        unsafe { std::ptr::copy_nonoverlapping(chunk.as_ptr(), &mut v as *mut T as *mut u8, size) };
-        v
+fn records<T: aya::Pod>(buf: &[u8]) -> impl Iterator<Item = T> + '_ {
+    buf.chunks_exact(std::mem::size_of::<T>()).map(|chunk| {
+        // SAFETY: T is Pod (any bit pattern is a valid T) and chunk has exactly size_of::<T>()
+        // bytes; read_unaligned allows any alignment of the buffer.
+        unsafe { std::ptr::read_unaligned(chunk.as_ptr().cast::<T>()) }
     })
-}
-
-/// A program load error: the errno and, with `-v`, the verifier log (never dumped by default).
-fn program_error(
-    verbose: bool,
-    program: &'static str,
-    e: aya::programs::ProgramError,
-) -> KernelError {
-    let (reason, hint) = match &e {
-        aya::programs::ProgramError::LoadError {
-            io_error,
-            verifier_log,
-        } => {
-            let hint = if verbose {
-                format!("\nverifier log:\n{verifier_log}")
-            } else {
-                " (run with -v for the verifier log)".to_string()
-            };
-            (io_error.to_string(), hint)
-        }
-        other => (full_chain(other), String::new()),
-    };
-    KernelError::Program {
-        program,
-        reason,
-        hint,
-    }
-}
-
-fn full_chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut src = e.source();
-    while let Some(cause) = src {
-        s.push_str(": ");
-        s.push_str(&cause.to_string());
-        src = cause.source();
-    }
-    s
 }
 
 #[cfg(test)]

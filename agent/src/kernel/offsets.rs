@@ -8,9 +8,15 @@ use connreap_ebpf::KernelOffsets;
 #[derive(Debug, thiserror::Error)]
 pub enum OffsetError {
     #[error(
-        "cannot read kernel BTF from {path}: {reason} (connreap needs CONFIG_DEBUG_INFO_BTF=y)"
+        "cannot read kernel BTF from {} (connreap needs CONFIG_DEBUG_INFO_BTF=y)",
+        path.display()
     )]
-    Read { path: String, reason: String },
+    Read {
+        path: std::path::PathBuf,
+        /// btf-rs reports its errors as `anyhow::Error`; boxed here to stay a `std` error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     #[error("kernel BTF has no struct `{0}`")]
     NoStruct(String),
     #[error("kernel BTF: struct `{strukt}` has no member `{member}`")]
@@ -29,8 +35,8 @@ pub struct Resolver {
 impl Resolver {
     pub fn open(path: &Path) -> Result<Self, OffsetError> {
         let btf = Btf::from_file(path).map_err(|e| OffsetError::Read {
-            path: path.display().to_string(),
-            reason: e.to_string(),
+            path: path.to_path_buf(),
+            source: e.into(),
         })?;
         Ok(Resolver { btf })
     }

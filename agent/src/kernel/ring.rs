@@ -71,7 +71,7 @@ pub async fn read(ring: RingBuf<MapData>, flusher: Flusher, mut sink: impl FnMut
                 }
                 Err(e) => {
                     if !flush_failing {
-                        tracing::warn!(error = %e, "cannot flush the per-CPU event batches; events arrive in full batches only");
+                        tracing::warn!(error = %format!("{:#}", anyhow::Error::new(e)), "cannot flush the per-CPU event batches; events arrive in full batches only");
                     }
                     flush_failing = true;
                     None

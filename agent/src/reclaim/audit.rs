@@ -30,11 +30,10 @@ pub struct AuditLog {
 
 /// Why an audit write failed (the path is in the message).
 #[derive(Debug, thiserror::Error)]
-#[error("audit log {path}: {source}")]
+#[error("audit log {path}: {error}")]
 pub struct AuditError {
     path: String,
-    #[source]
-    source: std::io::Error,
+    error: std::io::Error,
 }
 
 impl AuditLog {
@@ -47,10 +46,10 @@ impl AuditLog {
         }
     }
 
-    fn error(&self, source: std::io::Error) -> AuditError {
+    fn error(&self, error: std::io::Error) -> AuditError {
         AuditError {
             path: self.path.display().to_string(),
-            source,
+            error,
         }
     }
 

@@ -55,17 +55,18 @@ impl RoundResult {
     }
 }
 
-/// A destroy mechanism's own error (netlink or the BPF fallback), kept as the source.
-type Cause = Box<dyn std::error::Error + Send + Sync>;
+/// A destroy mechanism's own error (netlink or the BPF fallback) with its whole chain.
+type Cause = anyhow::Error;
 
-/// Why no destroy mechanism could be set up.
+/// Why no destroy mechanism could be set up. Shown in each dry-run decision's `mode`, so the
+/// message carries the causes' whole chain (`{:#}`).
 #[derive(Debug, thiserror::Error)]
 pub enum MechanismError {
-    #[error("{0}")]
-    Netlink(#[source] Cause),
-    #[error("bpf_sock_destroy fallback: {0}")]
-    Bpf(#[source] Cause),
-    #[error("{netlink}; bpf_sock_destroy fallback: {fallback}")]
+    #[error("{0:#}")]
+    Netlink(Cause),
+    #[error("bpf_sock_destroy fallback: {0:#}")]
+    Bpf(Cause),
+    #[error("{netlink:#}; bpf_sock_destroy fallback: {fallback:#}")]
     Neither { netlink: Cause, fallback: Cause },
 }
 
@@ -101,14 +102,16 @@ impl Destroyer {
                 .map(|_| Destroyer::Netlink)
                 .map_err(|e| MechanismError::Netlink(e.into())),
             DestroyMechanism::BpfIter => bpf().map_err(MechanismError::Bpf),
-            DestroyMechanism::Auto => match diag::probe() {
-                Ok(_) => Ok(Destroyer::Netlink),
-                Err(netlink) => {
-                    tracing::warn!(reason = %netlink, "netlink socket destroy unavailable; trying the bpf_sock_destroy fallback");
-                    let netlink: Cause = netlink.into();
-                    bpf().map_err(|fallback| MechanismError::Neither { netlink, fallback })
+            DestroyMechanism::Auto => {
+                match diag::probe() {
+                    Ok(_) => Ok(Destroyer::Netlink),
+                    Err(netlink) => {
+                        let netlink: Cause = netlink.into();
+                        tracing::warn!(reason = format!("{netlink:#}"), "netlink socket destroy unavailable; trying the bpf_sock_destroy fallback");
+                        bpf().map_err(|fallback| MechanismError::Neither { netlink, fallback })
+                    }
                 }
-            },
+            }
         }
     }
 }
@@ -369,7 +372,7 @@ impl Reclaimer {
         let fresh = match scanner.scan() {
             Ok(fresh) => fresh,
             Err(e) => {
-                let why = format!("re-check scan failed: {e}");
+                let why = format!("re-check scan failed: {:#}", anyhow::Error::new(e));
                 let failed = targets
                     .iter()
                     .map(|s| decision(p, mode, s, quota, Outcome::Failed, Some(why.clone()), round))
@@ -515,6 +518,7 @@ fn kill_all(
                 }
             }
             Err(e) => {
+                let e = format!("{:#}", anyhow::Error::new(e));
                 for (i, _) in &batch {
                     out[*i] = (
                         Outcome::Failed,
@@ -546,7 +550,7 @@ fn recheck<'a>(
             "no longer matches on re-check (state {}, idle {})",
             now.state,
             now.idle
-                .map(crate::snapshot::human)
+                .map(crate::present::human)
                 .unwrap_or_else(|| "-".into())
         ));
     }
@@ -578,12 +582,16 @@ fn kill_netlink(now: &Socket) -> KillOutcome {
                     Some("closed before the kill".into()),
                     cookie,
                 ),
-                Err(e) => (Outcome::Failed, Some(format!("SOCK_DESTROY: {e}")), cookie),
+                Err(e) => (
+                    Outcome::Failed,
+                    Some(format!("SOCK_DESTROY: {:#}", anyhow::Error::new(e))),
+                    cookie,
+                ),
             }
         }
         Err(e) => (
             Outcome::Failed,
-            Some(format!("sock_diag lookup: {e}")),
+            Some(format!("sock_diag lookup: {:#}", anyhow::Error::new(e))),
             None,
         ),
     }

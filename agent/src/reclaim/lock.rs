@@ -26,12 +26,8 @@ pub struct ReclaimLock {
 pub enum LockError {
     #[error("another connreap holds the reclaim lock {path} ({holder})")]
     Held { path: String, holder: String },
-    #[error("cannot open the reclaim lock {path}: {source}")]
-    Open {
-        path: String,
-        #[source]
-        source: std::io::Error,
-    },
+    #[error("cannot open the reclaim lock {path}: {error}")]
+    Open { path: String, error: std::io::Error },
 }
 
 impl ReclaimLock {
@@ -39,9 +35,9 @@ impl ReclaimLock {
     pub fn try_acquire(role: &str) -> Result<ReclaimLock, LockError> {
         let path = lock_path();
         let shown = path.display().to_string();
-        let open_err = |source| LockError::Open {
+        let open_err = |error| LockError::Open {
             path: shown.clone(),
-            source,
+            error,
         };
         if let Some(dir) = path.parent() {
             fs::create_dir_all(dir).map_err(open_err)?;

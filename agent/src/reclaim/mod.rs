@@ -4,8 +4,6 @@ pub mod audit;
 pub mod exec;
 pub mod lock;
 
-use std::time::Duration;
-
 use chrono::{DateTime, Utc};
 use serde::Serialize;
 
@@ -161,7 +159,7 @@ impl Outcome {
 /// One decision: a line of the audit log and an entry of GET /v1/reclaims.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Decision {
-    #[serde(serialize_with = "crate::alert::ser_rfc3339")]
+    #[serde(serialize_with = "crate::present::ser_rfc3339")]
     pub time: DateTime<Utc>,
     pub policy: String,
     pub mode: Mode,
@@ -195,7 +193,6 @@ pub fn decision(
     reason: Option<String>,
     round: u64,
 ) -> Decision {
-    let secs = |d: Duration| (d.as_secs_f64() * 1000.0).round() / 1000.0;
     Decision {
         time: Utc::now(),
         policy: p.name.clone(),
@@ -210,9 +207,9 @@ pub fn decision(
         comm: s.comm().to_string(),
         unit: s.unit(),
         state: s.state,
-        age_secs: secs(s.age),
+        age_secs: crate::present::round_secs(s.age),
         age_exact: s.age_exact,
-        idle_secs: s.idle.map(secs),
+        idle_secs: s.idle.map(crate::present::round_secs),
         quota: quota.clone(),
         agent_pid: std::process::id(),
         round,
@@ -277,6 +274,8 @@ impl Serialize for Mode {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use super::*;
     use crate::{config::parse, detect::testutil::sock, quota::QuotaEntry};
 

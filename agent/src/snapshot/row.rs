@@ -1,81 +1,218 @@
-//! One `snapshot --json` socket row, written straight into a buffer: the same text as
-//! `Socket`'s `Serialize` through [`super::to_json_writer`] (the tests compare them), without
-//! running every key and fixed string through the JSON string escaper, which was a third of
-//! the rendering time. Free-form strings (command names, units) still go through serde_json.
+//! The socket row: its fields are listed once, in [`fields`], and written two ways from that
+//! list: by `Socket`'s `Serialize` impl (serde, for every document that embeds sockets) and by
+//! [`write_rows`], which writes the same text straight into a buffer for `snapshot --json` and
+//! `GET /v1/sockets` without running every key and fixed string through the JSON string
+//! escaper (a third of the rendering time when it did). Free-form strings (command names,
+//! units) still go through serde_json.
 use std::time::Duration;
 
+use serde::{ser::SerializeMap as _, Serialize, Serializer};
 use serde_json::ser::Formatter as _;
 
 use super::SecsFormatter;
-use crate::table::{round_secs, Socket};
+use crate::{
+    present::round_secs,
+    table::{Endpoint, Socket},
+};
 
-fn num(out: &mut Vec<u8>, key: &[u8], v: impl itoa::Integer) {
-    out.extend_from_slice(key);
-    out.extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+/// A field's key: its name, and the JSON text that precedes its value in a row.
+#[derive(Clone, Copy)]
+struct Key {
+    name: &'static str,
+    /// `,"name":` (keys are plain identifiers: nothing to escape).
+    json: &'static str,
 }
 
-fn text(out: &mut Vec<u8>, key: &[u8], v: &str) {
-    out.extend_from_slice(key);
-    out.push(b'"');
-    out.extend_from_slice(v.as_bytes());
-    out.push(b'"');
-}
-
-fn secs(out: &mut Vec<u8>, key: &[u8], d: Option<Duration>) -> std::io::Result<()> {
-    out.extend_from_slice(key);
-    match d {
-        Some(d) => SecsFormatter.write_f64(out, round_secs(d)),
-        None => {
-            out.extend_from_slice(b"null");
-            Ok(())
+macro_rules! key {
+    ($name:literal) => {
+        Key {
+            name: $name,
+            json: concat!(",\"", $name, "\":"),
         }
+    };
+}
+
+/// What a row's fields are written to: one method per kind of value.
+trait RowWriter {
+    type Error;
+    fn int(&mut self, key: Key, v: u64) -> Result<(), Self::Error>;
+    fn opt_int(&mut self, key: Key, v: Option<u64>) -> Result<(), Self::Error>;
+    fn flag(&mut self, key: Key, v: bool) -> Result<(), Self::Error>;
+    /// A string from a fixed set that needs no JSON escaping (state, direction).
+    fn word(&mut self, key: Key, v: &'static str) -> Result<(), Self::Error>;
+    /// A free-form string (escaped), or null.
+    fn text(&mut self, key: Key, v: Option<&str>) -> Result<(), Self::Error>;
+    fn endpoint(&mut self, key: Key, v: &Endpoint) -> Result<(), Self::Error>;
+    /// Seconds to the millisecond ([`round_secs`]), or null.
+    fn secs(&mut self, key: Key, v: Option<Duration>) -> Result<(), Self::Error>;
+    fn pids(&mut self, key: Key, v: &[u32]) -> Result<(), Self::Error>;
+}
+
+/// The row schema: every field of a socket row, in order.
+#[inline]
+fn fields<W: RowWriter>(s: &Socket, w: &mut W) -> Result<(), W::Error> {
+    w.int(key!("inode"), s.inode)?;
+    w.opt_int(key!("cookie"), (s.cookie != 0).then_some(s.cookie))?;
+    w.endpoint(key!("local"), &s.local)?;
+    w.endpoint(key!("peer"), &s.peer)?;
+    w.word(key!("state"), s.state.as_str())?;
+    w.secs(key!("age_secs"), Some(s.age))?;
+    w.flag(key!("age_exact"), s.age_exact)?;
+    w.secs(key!("idle_secs"), s.idle)?;
+    w.secs(key!("last_recv_secs"), s.last_recv())?;
+    w.secs(key!("last_send_secs"), s.last_send())?;
+    w.int(key!("rx_queue"), s.rx_queue.into())?;
+    w.int(key!("tx_queue"), s.tx_queue.into())?;
+    w.int(key!("uid"), s.uid.into())?;
+    w.word(key!("direction"), s.direction.as_str())?;
+    w.int(key!("service_port"), s.service_port.into())?;
+    if let Some(o) = &s.owner {
+        w.int(key!("pid"), o.pid.into())?;
+        w.text(key!("comm"), Some(&o.comm))?;
+        w.int(key!("fd"), s.fd.into())?;
+        w.text(key!("unit"), o.unit.as_deref())?;
+    }
+    if !s.shared_with.is_empty() {
+        w.pids(key!("shared_with"), &s.shared_with)?;
+    }
+    Ok(())
+}
+
+impl Serialize for Socket {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        let mut map = SerdeRow(s.serialize_map(None)?);
+        fields(self, &mut map)?;
+        map.0.end()
+    }
+}
+
+/// The serde form: one map entry per field.
+struct SerdeRow<M>(M);
+
+impl<M: serde::ser::SerializeMap> RowWriter for SerdeRow<M> {
+    type Error = M::Error;
+    fn int(&mut self, key: Key, v: u64) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
+    }
+    fn opt_int(&mut self, key: Key, v: Option<u64>) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
+    }
+    fn flag(&mut self, key: Key, v: bool) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
+    }
+    fn word(&mut self, key: Key, v: &'static str) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
+    }
+    fn text(&mut self, key: Key, v: Option<&str>) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v)
+    }
+    fn endpoint(&mut self, key: Key, v: &Endpoint) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
+    }
+    fn secs(&mut self, key: Key, v: Option<Duration>) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, &v.map(round_secs))
+    }
+    fn pids(&mut self, key: Key, v: &[u32]) -> Result<(), M::Error> {
+        self.0.serialize_entry(key.name, v)
+    }
+}
+
+/// The fast form: compact JSON bytes appended to `out`.
+struct FastRow<'a> {
+    out: &'a mut Vec<u8>,
+}
+
+impl FastRow<'_> {
+    #[inline]
+    fn key(&mut self, key: Key) {
+        self.out.extend_from_slice(key.json.as_bytes());
+    }
+}
+
+impl RowWriter for FastRow<'_> {
+    type Error = serde_json::Error;
+    #[inline]
+    fn int(&mut self, key: Key, v: u64) -> serde_json::Result<()> {
+        self.key(key);
+        self.out
+            .extend_from_slice(itoa::Buffer::new().format(v).as_bytes());
+        Ok(())
+    }
+    #[inline]
+    fn opt_int(&mut self, key: Key, v: Option<u64>) -> serde_json::Result<()> {
+        match v {
+            Some(v) => self.int(key, v),
+            None => {
+                self.key(key);
+                self.out.extend_from_slice(b"null");
+                Ok(())
+            }
+        }
+    }
+    #[inline]
+    fn flag(&mut self, key: Key, v: bool) -> serde_json::Result<()> {
+        self.key(key);
+        self.out
+            .extend_from_slice(if v { b"true" } else { b"false" });
+        Ok(())
+    }
+    #[inline]
+    fn word(&mut self, key: Key, v: &'static str) -> serde_json::Result<()> {
+        self.key(key);
+        self.out.push(b'"');
+        self.out.extend_from_slice(v.as_bytes());
+        self.out.push(b'"');
+        Ok(())
+    }
+    #[inline]
+    fn text(&mut self, key: Key, v: Option<&str>) -> serde_json::Result<()> {
+        self.key(key);
+        serde_json::to_writer(&mut *self.out, &v)
+    }
+    #[inline]
+    fn endpoint(&mut self, key: Key, v: &Endpoint) -> serde_json::Result<()> {
+        self.key(key);
+        self.out.push(b'"');
+        v.write_text(self.out);
+        self.out.push(b'"');
+        Ok(())
+    }
+    #[inline]
+    fn secs(&mut self, key: Key, v: Option<Duration>) -> serde_json::Result<()> {
+        self.key(key);
+        match v {
+            Some(d) => SecsFormatter
+                .write_f64(self.out, round_secs(d))
+                .map_err(serde_json::Error::io),
+            None => {
+                self.out.extend_from_slice(b"null");
+                Ok(())
+            }
+        }
+    }
+    #[inline]
+    fn pids(&mut self, key: Key, v: &[u32]) -> serde_json::Result<()> {
+        self.key(key);
+        self.out.push(b'[');
+        for (i, pid) in v.iter().enumerate() {
+            if i > 0 {
+                self.out.push(b',');
+            }
+            self.out
+                .extend_from_slice(itoa::Buffer::new().format(*pid).as_bytes());
+        }
+        self.out.push(b']');
+        Ok(())
     }
 }
 
 /// Append `s` as a compact JSON object (no separator before it).
 fn write_row(out: &mut Vec<u8>, s: &Socket) -> serde_json::Result<()> {
-    let io = serde_json::Error::io;
-    num(out, b"{\"inode\":", s.inode);
-    if s.cookie != 0 {
-        num(out, b",\"cookie\":", s.cookie);
-    } else {
-        out.extend_from_slice(b",\"cookie\":null");
-    }
-    out.extend_from_slice(b",\"local\":\"");
-    s.local.write_text(out);
-    out.extend_from_slice(b"\",\"peer\":\"");
-    s.peer.write_text(out);
-    out.push(b'"');
-    text(out, b",\"state\":", s.state.as_str());
-    secs(out, b",\"age_secs\":", Some(s.age)).map_err(io)?;
-    out.extend_from_slice(if s.age_exact {
-        b",\"age_exact\":true"
-    } else {
-        b",\"age_exact\":false"
-    });
-    secs(out, b",\"idle_secs\":", s.idle).map_err(io)?;
-    secs(out, b",\"last_recv_secs\":", s.last_recv()).map_err(io)?;
-    secs(out, b",\"last_send_secs\":", s.last_send()).map_err(io)?;
-    num(out, b",\"rx_queue\":", s.rx_queue);
-    num(out, b",\"tx_queue\":", s.tx_queue);
-    num(out, b",\"uid\":", s.uid);
-    text(out, b",\"direction\":", s.direction.as_str());
-    num(out, b",\"service_port\":", s.service_port);
-    if let Some(o) = &s.owner {
-        num(out, b",\"pid\":", o.pid);
-        out.extend_from_slice(b",\"comm\":");
-        serde_json::to_writer(&mut *out, &*o.comm)?;
-        num(out, b",\"fd\":", s.fd);
-        out.extend_from_slice(b",\"unit\":");
-        serde_json::to_writer(&mut *out, &o.unit.as_deref())?;
-    }
-    if let Some((first, rest)) = s.shared_with.split_first() {
-        num(out, b",\"shared_with\":[", *first);
-        for pid in rest {
-            num(out, b",", *pid);
-        }
-        out.push(b']');
-    }
+    let start = out.len();
+    let mut w = FastRow { out };
+    fields(s, &mut w)?;
+    // Every key was written with a leading comma: the first one opens the object instead.
+    out[start] = b'{';
     out.push(b'}');
     Ok(())
 }
@@ -150,6 +287,31 @@ mod tests {
             assert_eq!(
                 String::from_utf8(fast).unwrap(),
                 String::from_utf8(plain).unwrap()
+            );
+        }
+    }
+
+    /// The fast writer writes keys unescaped.
+    #[test]
+    fn keys_need_no_escaping() {
+        let mut s = Socket::new(
+            "10.0.0.5:48812".parse().unwrap(),
+            "10.0.16.36:80".parse().unwrap(),
+            TcpState::Established,
+        );
+        s.owner = Some(Arc::new(Owner {
+            pid: 1,
+            comm: "x".into(),
+            unit: None,
+        }));
+        s.shared_with = vec![2].into_boxed_slice();
+        let row = serde_json::to_value(&s).unwrap();
+        let keys: Vec<&String> = row.as_object().unwrap().keys().collect();
+        assert_eq!(keys.len(), 20);
+        for k in keys {
+            assert!(
+                k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),
+                "{k}"
             );
         }
     }

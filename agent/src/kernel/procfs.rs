@@ -1,0 +1,90 @@
+//! What a scan reads about the host outside the BPF programs: the namespace's ephemeral port
+//! range, a process's systemd unit (both from /proc), and the monotonic clock that first-seen
+//! bounds are kept in.
+use std::{fs, ops::RangeInclusive};
+
+/// net.ipv4.ip_local_port_range of this network namespace, if readable.
+pub fn ephemeral_ports() -> Option<RangeInclusive<u16>> {
+    fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|t| parse_port_range(&t))
+}
+
+/// The systemd unit (or cgroup path) of `pid`; None when it has gone or sits in the root
+/// cgroup.
+pub fn unit_of(pid: u32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/cgroup"))
+        .ok()
+        .and_then(|c| unit_from_cgroup(&c))
+}
+
+/// CLOCK_MONOTONIC in ns.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: clock_gettime writes the timespec we pass; CLOCK_MONOTONIC always exists.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Parse /proc/sys/net/ipv4/ip_local_port_range ("32768\t60999").
+fn parse_port_range(text: &str) -> Option<RangeInclusive<u16>> {
+    let mut it = text.split_whitespace().map(|v| v.parse::<u16>());
+    match (it.next(), it.next()) {
+        (Some(Ok(a)), Some(Ok(b))) if a <= b => Some(a..=b),
+        _ => None,
+    }
+}
+
+/// systemd unit from the contents of /proc/<pid>/cgroup: the last `.service`/`.scope` path
+/// component, else the cgroup path itself (None for the root cgroup).
+fn unit_from_cgroup(contents: &str) -> Option<String> {
+    let path = contents
+        .lines()
+        .find_map(|l| l.strip_prefix("0::"))
+        .or_else(|| {
+            contents
+                .lines()
+                .next()
+                .and_then(|l| l.splitn(3, ':').nth(2))
+        })?
+        .trim();
+    if path.is_empty() || path == "/" {
+        return None;
+    }
+    path.rsplit('/')
+        .find(|c| c.ends_with(".service") || c.ends_with(".scope"))
+        .map(str::to_string)
+        .or_else(|| Some(path.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn parses_port_ranges() {
+        assert_eq!(parse_port_range("10000\t20000\n"), Some(10000..=20000));
+        assert_eq!(parse_port_range("20000\t10000\n"), None);
+        assert_eq!(parse_port_range("garbage"), None);
+    }
+
+    #[test]
+    fn units_from_cgroups() {
+        assert_eq!(
+            unit_from_cgroup("0::/system.slice/nginx.service\n").as_deref(),
+            Some("nginx.service")
+        );
+        assert_eq!(unit_from_cgroup("0::/\n"), None);
+        assert_eq!(
+            unit_from_cgroup("0::/mygroup\n").as_deref(),
+            Some("/mygroup")
+        );
+        assert_eq!(
+            unit_from_cgroup("12:pids:/user.slice/session-4.scope\n").as_deref(),
+            Some("session-4.scope")
+        );
+    }
+}
