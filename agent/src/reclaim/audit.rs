@@ -13,6 +13,9 @@ use super::{Decision, Outcome};
 /// A socket as audit lines name it: local and peer address, inode.
 type SocketId = (String, String, u64);
 
+/// Rounds a remembered skip/would-kill survives without being decided again.
+const FORGET_AFTER: u64 = 10;
+
 fn socket_id(d: &Decision) -> SocketId {
     (d.local.clone(), d.peer.clone(), d.inode)
 }
@@ -25,7 +28,9 @@ pub struct AuditLog {
     keep: usize,
     /// The last skip/would-kill line written per (policy, socket): repeated ones are not
     /// written again while nothing about them changes.
-    last: HashMap<(String, SocketId), (Outcome, Option<String>)>,
+    last: HashMap<(String, SocketId), ((Outcome, Option<String>), u64)>,
+    /// Rounds seen per policy (the clock of `last`).
+    policy_rounds: HashMap<String, u64>,
 }
 
 /// Why an audit write failed (the path is in the message).
@@ -43,6 +48,7 @@ impl AuditLog {
             max_bytes,
             keep,
             last: HashMap::new(),
+            policy_rounds: HashMap::new(),
         }
     }
 
@@ -98,27 +104,36 @@ impl AuditLog {
     }
 
     /// Drop skip/would-kill decisions identical to the last one written for the same policy
-    /// and socket; forget sockets of `policy` that this round did not mention.
+    /// and socket. A socket a round does not mention (another one took its place among the
+    /// oldest, or it closed) is remembered for FORGET_AFTER more rounds of its policy, so one
+    /// that drifts in and out of a round's selection is not written again each time.
     pub fn dedupe(&mut self, policy: &str, decisions: &[Decision]) -> Vec<Decision> {
-        let mut seen = std::collections::HashSet::new();
+        let round = {
+            let r = self.policy_rounds.entry(policy.to_string()).or_default();
+            *r += 1;
+            *r
+        };
         let mut out = Vec::with_capacity(decisions.len());
         for d in decisions {
             let key = (policy.to_string(), socket_id(d));
-            seen.insert(key.1.clone());
             let repeatable = matches!(d.result, Outcome::Skipped | Outcome::WouldKill);
             let what = (d.result, d.reason.clone());
-            if repeatable && self.last.get(&key) == Some(&what) {
-                continue;
-            }
-            if repeatable {
-                self.last.insert(key, what);
-            } else {
-                self.last.remove(&key);
+            match self.last.get_mut(&key) {
+                Some(last) if repeatable && last.0 == what => {
+                    last.1 = round;
+                    continue;
+                }
+                _ if repeatable => {
+                    self.last.insert(key, (what, round));
+                }
+                _ => {
+                    self.last.remove(&key);
+                }
             }
             out.push(d.clone());
         }
         self.last
-            .retain(|(p, id), _| p != policy || seen.contains(id));
+            .retain(|(p, _), (_, seen)| p != policy || round - *seen <= FORGET_AFTER);
         out
     }
 
@@ -201,8 +216,13 @@ mod tests {
         let mut changed = d.clone();
         changed[1].result = Outcome::Skipped;
         assert_eq!(log.dedupe("p", &changed).len(), 1);
-        // A socket not mentioned in a round is forgotten: it is new again afterwards.
+        // A socket left out of a few rounds is still remembered...
         assert_eq!(log.dedupe("p", &d[..1]).len(), 0);
+        assert_eq!(log.dedupe("p", &changed).len(), 0);
+        // ... and forgotten after FORGET_AFTER rounds without it: new again afterwards.
+        for _ in 0..=FORGET_AFTER {
+            assert_eq!(log.dedupe("p", &d[..1]).len(), 0);
+        }
         assert_eq!(log.dedupe("p", &d).len(), 2);
         // Kills are never deduplicated.
         let k = decisions(1, Outcome::Killed);
