@@ -87,24 +87,37 @@ fn variant_feature(variant: &str) -> String {
 /// The BPF object, or a bench-only variant of the tracker (`variant`: see
 /// [`variant_feature`]); the shipped object is built with no bench feature.
 pub fn build_ebpf_variant(variant: Option<&str>) -> Result<()> {
+    let mut cmd = ebpf_cargo("build")?;
+    cmd.env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
+    );
+    if let Some(v) = variant {
+        cmd.args(["--features", &variant_feature(v)]);
+    }
+    run(&mut cmd)
+}
+
+/// Clippy over the BPF programs, for the BPF target (the host clippy only sees the shared types).
+fn clippy_ebpf() -> Result<()> {
+    let mut cmd = ebpf_cargo("clippy")?;
+    cmd.args(["--", "-D", "warnings"]);
+    run(&mut cmd)
+}
+
+/// `cargo SUBCOMMAND` on agent-ebpf with nightly for the BPF target.
+fn ebpf_cargo(subcommand: &str) -> Result<Command> {
     setup::ensure()?;
     let mut cmd = Command::new("rustup");
     cmd.current_dir(root().join("agent-ebpf"))
-        .args(["run", "nightly", "cargo", "build", "--release"])
+        .args(["run", "nightly", "cargo", subcommand, "--release"])
         .args(["--target", BPF_TARGET, "-Z", "build-std=core"])
         .env_remove("RUSTC")
         .env_remove("RUSTC_WORKSPACE_WRAPPER")
         .env_remove("CARGO")
         .env("AYA_BPF_TARGET_ARCH", std::env::consts::ARCH)
-        .env(
-            "CARGO_ENCODED_RUSTFLAGS",
-            ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
-        )
         .env("PATH", setup::path_with_cargo_bin());
-    if let Some(v) = variant {
-        cmd.args(["--features", &variant_feature(v)]);
-    }
-    run(&mut cmd)
+    Ok(cmd)
 }
 
 pub fn build_agent() -> Result<()> {
@@ -183,6 +196,7 @@ fn main() -> Result<()> {
             build_ebpf()?;
             run(cargo().args(["fmt", "--all", "--check"]))?;
             run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
+            clippy_ebpf()?;
             run(cargo().args(["build", "--release", "--package", "connreap"]))?;
             run(cargo().args([
                 "test",

@@ -13,6 +13,9 @@ use super::{Decision, Outcome};
 /// A socket as audit lines name it: local and peer address, inode.
 type SocketId = (String, String, u64);
 
+/// What a decision said about a socket: its result and reason.
+type Verdict = (Outcome, Option<String>);
+
 /// Rounds a remembered skip/would-kill survives without being decided again.
 const FORGET_AFTER: u64 = 10;
 
@@ -28,7 +31,7 @@ pub struct AuditLog {
     keep: usize,
     /// The last skip/would-kill line written per (policy, socket): repeated ones are not
     /// written again while nothing about them changes.
-    last: HashMap<(String, SocketId), ((Outcome, Option<String>), u64)>,
+    last: HashMap<(String, SocketId), (Verdict, u64)>,
     /// Rounds seen per policy (the clock of `last`).
     policy_rounds: HashMap<String, u64>,
 }
