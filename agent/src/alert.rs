@@ -116,7 +116,7 @@ impl Tracker {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::detect::Kind;
+    use crate::detect::{Kind, Verdict};
 
     fn alert(n: &Notification) -> &Alert {
         match n {
@@ -137,14 +137,14 @@ mod tests {
         let t0 = Instant::now();
         let w0 = Utc::now();
         let mut f = finding("q", 64);
-        f.verdict = Some("load".into());
+        f.verdict = Some(Verdict::Load);
         assert_eq!(t.update(vec![f.clone()], t0, w0).notify.len(), 1);
         assert!(t.update(vec![f.clone()], t0, w0).notify.is_empty());
-        f.verdict = Some("leak".into());
+        f.verdict = Some(Verdict::Leak);
         let u = t.update(vec![f.clone()], t0 + Duration::from_secs(3), w0);
         assert_eq!(u.notify.len(), 1);
         assert!(matches!(u.notify[0], Notification::Updated(_)));
-        assert_eq!(alert(&u.notify[0]).finding.verdict.as_deref(), Some("leak"));
+        assert_eq!(alert(&u.notify[0]).finding.verdict, Some(Verdict::Leak));
         assert_eq!(alert(&u.notify[0]).started_at, w0, "same alert, same start");
         assert!(t
             .update(vec![f], t0 + Duration::from_secs(4), w0)

@@ -110,6 +110,13 @@ impl Metrics {
             program_recursion_misses: Family::default(),
             scans: AtomicU64::new(0),
         };
+        m.register(&mut registry);
+        Metrics { registry, ..m }
+    }
+
+    /// Every series under its name and help text.
+    fn register(&self, registry: &mut Registry) {
+        let m = self;
         registry.register(
             "sockets",
             "TCP sockets by state, owner command and service port",
@@ -143,7 +150,7 @@ impl Metrics {
         );
         registry.register(
             "event_batches_flushed",
-            "Partial per-CPU batches of transition events sent by the daemon's flush before a drain",
+            "Partial per-CPU batches of transition events sent by the daemon's periodic flush",
             m.batches_flushed.clone(),
         );
         registry.register(
@@ -197,7 +204,6 @@ impl Metrics {
             "Cumulative runs of each BPF program the kernel skipped because it was already running on that CPU; for the state tracker, transitions whose socket then shows a lower-bound age",
             m.program_recursion_misses.clone(),
         );
-        Metrics { registry, ..m }
     }
 
     pub fn observe_table(&self, table: &[Socket]) {

@@ -44,8 +44,8 @@ fn alert_alertmanager(alert: &Alert, repeat: Duration) -> Value {
     if let Some(q) = &f.quota {
         labels["quota"] = json!(q.name);
     }
-    if let Some(v) = &f.verdict {
-        labels["verdict"] = json!(v);
+    if let Some(v) = f.verdict {
+        labels["verdict"] = json!(v.as_str());
     }
     // A firing alert is valid for two repeat intervals unless re-sent, so a dead agent's
     // alerts expire instead of firing forever; resolved alerts end now.
@@ -244,7 +244,7 @@ mod tests {
     fn alertmanager_body_has_labels_and_times() {
         let mut f = crate::detect::testutil_finding(Kind::QuotaExhaustedByLeak, "relay:21000");
         f.service_port = Some(21000);
-        f.verdict = Some("leak".into());
+        f.verdict = Some(crate::detect::Verdict::Leak);
         let a = Alert {
             finding: f,
             status: Status::Resolved,

@@ -76,6 +76,25 @@ pub struct SocketBrief {
     pub inode: u64,
 }
 
+/// What a saturated quota's connections say about it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Verdict {
+    /// Most of them are idle or in CLOSE_WAIT: leaked.
+    Leak,
+    /// Most of them are busy: real load.
+    Load,
+}
+
+impl Verdict {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Verdict::Leak => "leak",
+            Verdict::Load => "load",
+        }
+    }
+}
+
 /// At most this many sockets are listed in a finding.
 pub const MAX_SOCKETS: usize = 20;
 
@@ -94,7 +113,7 @@ pub struct Finding {
     pub sockets: Vec<SocketBrief>,
     /// quota_exhausted_by_leak: "leak" or "load".
     #[serde(skip_serializing_if = "Option::is_none")]
-    pub verdict: Option<String>,
+    pub verdict: Option<Verdict>,
     /// close_wait_buildup: change in count since the previous scan.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub growth: Option<i64>,

@@ -2,7 +2,7 @@
 use rustc_hash::FxHashMap;
 
 use super::{
-    describe_owners, local_pairs, oldest_briefs, processes, Finding, Input, Kind, QuotaRef,
+    describe_owners, local_pairs, oldest_briefs, processes, Finding, Input, Kind, QuotaRef, Verdict,
 };
 use crate::{
     config::QuotaConfig,
@@ -98,7 +98,7 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 limit: entry.limit,
             });
             f.sockets = oldest_briefs(ends.iter().copied());
-            f.verdict = Some(if leak { "leak" } else { "load" }.to_string());
+            f.verdict = Some(if leak { Verdict::Leak } else { Verdict::Load });
             out.push(f);
         }
     }
@@ -249,7 +249,7 @@ limit = 4
         let f = run(&t, 64, 64, &cfgs());
         assert_eq!(f.len(), 1);
         let f = &f[0];
-        assert_eq!(f.verdict.as_deref(), Some("leak"));
+        assert_eq!(f.verdict, Some(Verdict::Leak));
         assert_eq!(
             f.quota,
             Some(QuotaRef {
@@ -270,7 +270,7 @@ limit = 4
     #[test]
     fn busy_connections_read_as_load_and_unsaturated_is_silent() {
         let t = relay_table(64, 2);
-        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict.as_deref(), Some("load"));
+        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict, Some(Verdict::Load));
         assert!(run(&t, 50, 64, &cfgs()).is_empty());
     }
 
@@ -306,7 +306,7 @@ limit = 4
             quotas: &[st],
             storm: &storm,
         });
-        assert_eq!(f[0].verdict.as_deref(), Some("leak"));
+        assert_eq!(f[0].verdict, Some(Verdict::Leak));
         assert!(
             f[0].summary
                 .contains("4 of 4 connections idle or CLOSE_WAIT"),

@@ -2,6 +2,7 @@
 //! that come out of a round. Execution (re-check, destroy, audit) lives in `exec`.
 pub mod audit;
 pub mod exec;
+pub mod kill;
 pub mod lock;
 
 use chrono::{DateTime, Utc};
