@@ -1,7 +1,7 @@
 //! close_wait_buildup: a process that never closes sockets its peers closed.
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{describe_owners, oldest_briefs, processes, Finding, Kind};
+use super::{describe_owners, oldest_briefs, owner_identity, processes, Finding, Kind};
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
@@ -13,6 +13,8 @@ pub fn detect(
     cfg: &DetectConfig,
     prev_counts: &mut BTreeMap<String, usize>,
 ) -> Vec<Finding> {
+    // The threshold is per process (a pool's limit is); the finding's identity is what
+    // survives a restart of the leaking service (see `owner_identity`).
     let mut groups: BTreeMap<(Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
     for s in table {
         if s.state == TcpState::CloseWait && s.age >= cfg.close_wait_min_age {
@@ -22,17 +24,13 @@ pub fn detect(
     let stuck_long = cfg.close_wait_min_age * 10;
     let mut counts = BTreeMap::new();
     let mut out = Vec::new();
-    for ((pid, port), socks) in groups {
+    for ((_, port), socks) in groups {
         let oldest = socks.iter().map(|s| s.age).max().unwrap_or_default();
         let oldest_exact = socks
             .iter()
             .filter(|s| s.age == oldest)
             .all(|s| s.age_exact);
-        let comm = socks[0].comm();
-        let key = format!(
-            "{comm}/{}:{port}",
-            pid.map(|p| p.to_string()).unwrap_or("?".into())
-        );
+        let key = format!("{}:{port}", owner_identity(socks[0]));
         counts.insert(key.clone(), socks.len());
         if socks.len() < cfg.close_wait_threshold && oldest < stuck_long {
             continue;

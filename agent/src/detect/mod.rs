@@ -184,6 +184,15 @@ pub fn oldest_briefs<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Soc
     v.into_iter().take(MAX_SOCKETS).map(brief).collect()
 }
 
+/// A socket owner as a finding's identity names it: its command, and its systemd unit where it
+/// has one (`java@gateway.service`). Never its pid: a restarted service keeps its findings.
+pub fn owner_identity(s: &Socket) -> String {
+    match s.unit() {
+        Some(unit) => format!("{}@{unit}", s.comm()),
+        None => s.comm().to_string(),
+    }
+}
+
 /// "node pid 12" / "node pids 12, 13"
 pub fn describe_owners(p: &[ProcessCount]) -> String {
     let mut by_comm: BTreeMap<&str, Vec<String>> = BTreeMap::new();
@@ -227,7 +236,93 @@ pub fn run(input: &Input<'_>, memory: &mut Memory) -> Vec<Finding> {
     out.extend(quota::detect(input));
     out.extend(input.storm.findings(input.cfg));
     out.extend(quota::unavailable(input.quotas));
-    out
+    merge_same_identity(out)
+}
+
+/// Findings of several processes with one identity (replicas of a service, or a service and
+/// its restarted self while the old one drains) become one finding listing them all.
+fn merge_same_identity(findings: Vec<Finding>) -> Vec<Finding> {
+    let mut out: Vec<(Finding, usize)> = Vec::with_capacity(findings.len());
+    for f in findings {
+        let Some((first, merged)) = out.iter_mut().find(|(o, _)| o.fingerprint == f.fingerprint)
+        else {
+            out.push((f, 0));
+            continue;
+        };
+        *merged += 1;
+        first.count += f.count;
+        first.oldest_age_secs = first.oldest_age_secs.max(f.oldest_age_secs);
+        first.growth = sum(first.growth, f.growth);
+        first.rate_per_sec = sum(first.rate_per_sec, f.rate_per_sec);
+        first.processes.extend(f.processes);
+        first
+            .processes
+            .sort_by(|a, b| b.count.cmp(&a.count).then(a.pid.cmp(&b.pid)));
+        first.sockets.extend(f.sockets);
+        first
+            .sockets
+            .sort_by(|a, b| b.age_secs.total_cmp(&a.age_secs));
+        first.sockets.truncate(MAX_SOCKETS);
+    }
+    out.into_iter()
+        .map(|(mut f, merged)| {
+            if merged > 0 {
+                f.summary = format!(
+                    "{} (+{merged} more process{} of the same service, count {} in all)",
+                    f.summary,
+                    if merged == 1 { "" } else { "es" },
+                    f.count
+                );
+            }
+            f
+        })
+        .collect()
+}
+
+fn sum<T: std::ops::Add<Output = T>>(a: Option<T>, b: Option<T>) -> Option<T> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a + b),
+        (a, b) => a.or(b),
+    }
+}
+
+#[cfg(test)]
+mod merge_tests {
+    use super::*;
+
+    #[test]
+    fn two_processes_of_one_service_are_one_finding() {
+        let cfg = DetectConfig::default();
+        let mut t: Vec<Socket> = Vec::new();
+        for (pid, base) in [(7u32, 40000u16), (8, 41000)] {
+            for i in 0..20u16 {
+                let mut s = testutil::sock(
+                    pid,
+                    "java",
+                    &format!("10.0.0.5:{}", base + i),
+                    "10.0.16.36:80",
+                    TcpState::CloseWait,
+                );
+                s.service_port = 80;
+                t.push(s);
+            }
+        }
+        let storm = StormTracker::default();
+        let input = Input {
+            table: &t,
+            cfg: &cfg,
+            quota_cfgs: &[],
+            quotas: &[],
+            storm: &storm,
+        };
+        let f = run(&input, &mut Memory::default());
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].fingerprint, "close_wait_buildup:java:80");
+        assert_eq!(f[0].count, 40);
+        let pids: Vec<Option<u32>> = f[0].processes.iter().map(|p| p.pid).collect();
+        assert_eq!(pids, vec![Some(7), Some(8)]);
+        assert!(f[0].summary.contains("+1 more process"), "{}", f[0].summary);
+    }
 }
 
 #[cfg(test)]

@@ -3,7 +3,7 @@ use std::{collections::BTreeMap, net::SocketAddr};
 
 use rustc_hash::FxHashMap;
 
-use super::{describe_owners, oldest_briefs, Finding, Kind, ProcessCount};
+use super::{describe_owners, oldest_briefs, owner_identity, Finding, Kind, ProcessCount};
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
@@ -71,11 +71,12 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
         }
     }
     let mut out = Vec::new();
-    for ((cpid, spid, port), pairs) in groups {
+    for ((_, _, port), pairs) in groups {
         if pairs.len() < cfg.stuck_pair_threshold {
             continue;
         }
         let (c, s) = (pairs[0].client, pairs[0].server);
+        let (cpid, spid) = (c.pid(), s.pid());
         let owner = |x: &Socket, pid: Option<u32>| ProcessCount {
             pid,
             comm: x.comm().to_string(),
@@ -93,13 +94,7 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
             .filter_map(|p| p.client.idle.zip(p.server.idle).map(|(a, b)| a.min(b)))
             .min()
             .unwrap_or_default();
-        let key = format!(
-            "{}/{}->{}/{}:{port}",
-            c.comm(),
-            cpid.map(|p| p.to_string()).unwrap_or("?".into()),
-            s.comm(),
-            spid.map(|p| p.to_string()).unwrap_or("?".into())
-        );
+        let key = format!("{}->{}:{port}", owner_identity(c), owner_identity(s));
         let mut f = Finding::new(
             Kind::StuckEstablishedPairs,
             &key,

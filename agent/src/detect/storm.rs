@@ -70,7 +70,7 @@ impl StormTracker {
                 let shown: Vec<String> = rates.iter().map(|r| format!("{r:.0}")).collect();
                 let mut f = Finding::new(
                     Kind::ReconnectStorm,
-                    &format!("{}/{}:{}", key.comm, key.pid, key.port),
+                    &format!("{}:{}", key.comm, key.port),
                     format!(
                         "{} pid {} opens {rate:.0} new connections/s to port {} (threshold {:.0}/s; last windows {}/s)",
                         key.comm, key.pid, key.port, cfg.storm_rate, shown.join(" → ")
