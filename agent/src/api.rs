@@ -197,8 +197,32 @@ async fn sockets(
     }
 }
 
-async fn findings(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({ "findings": *st.read().alerts })).into_response()
+#[derive(serde::Deserialize)]
+struct FindingsQuery {
+    fingerprint: Option<String>,
+}
+
+/// The current findings; `?fingerprint=F` keeps that one (alerts' generatorURL points here).
+async fn findings(
+    State(st): State<Arc<AppState>>,
+    q: Result<Query<FindingsQuery>, axum::extract::rejection::QueryRejection>,
+) -> Response {
+    let Ok(Query(q)) = q else {
+        return error(
+            StatusCode::BAD_REQUEST,
+            "invalid query string: expected fingerprint",
+        );
+    };
+    let alerts = st.read().alerts;
+    let selected: Vec<&Alert> = alerts
+        .iter()
+        .filter(|a| {
+            q.fingerprint
+                .as_ref()
+                .is_none_or(|f| *f == a.finding.fingerprint)
+        })
+        .collect();
+    Json(json!({ "findings": selected })).into_response()
 }
 
 async fn quotas(State(st): State<Arc<AppState>>) -> Response {

@@ -136,6 +136,18 @@ pub struct AlertsConfig {
     /// A firing alert is sent again this often while it keeps firing.
     #[serde(with = "humantime_serde")]
     pub repeat_interval: Duration,
+    /// A firing alert whose content changed materially (count grew by half, a new owning
+    /// process) is sent again at most this often; a changed verdict is sent at once.
+    #[serde(with = "humantime_serde")]
+    pub renotify_interval: Duration,
+    /// Alertmanager receivers get every firing alert re-posted this often, with `endsAt` four
+    /// of these ahead (as Prometheus does): an Alertmanager restart loses nothing for long, and
+    /// a dead agent's alerts expire.
+    #[serde(with = "humantime_serde")]
+    pub alertmanager_resend: Duration,
+    /// The `severity` label per finding kind, where it differs from the built-in one
+    /// (quota_exhausted_by_leak and reconnect_storm critical, the others warning).
+    pub severity: std::collections::BTreeMap<String, String>,
     /// Notifications kept while receivers are down; beyond this the oldest are dropped
     /// (counted in connreap_webhook_dropped_total and logged).
     pub queue_capacity: usize,
@@ -151,6 +163,9 @@ impl Default for AlertsConfig {
     fn default() -> Self {
         AlertsConfig {
             repeat_interval: Duration::from_secs(3600),
+            renotify_interval: Duration::from_secs(60),
+            alertmanager_resend: Duration::from_secs(60),
+            severity: std::collections::BTreeMap::new(),
             queue_capacity: 1024,
             max_backoff: Duration::from_secs(60),
             timeout: Duration::from_secs(5),

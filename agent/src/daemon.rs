@@ -31,6 +31,16 @@ fn host_name(cfg: &Config) -> String {
         .unwrap_or_else(|_| "unknown".into())
 }
 
+/// This agent's API as receivers should reach it (alerts' generatorURL).
+fn api_base(cfg: &Config, host: &str) -> String {
+    let l = cfg.agent.listen;
+    if l.ip().is_unspecified() {
+        format!("http://{host}:{}", l.port())
+    } else {
+        format!("http://{l}")
+    }
+}
+
 async fn shutdown_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
@@ -71,7 +81,13 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     });
     tasks.spawn("transition ring reader", reader);
 
-    let webhooks = Webhooks::spawn(&cfg.webhook, &cfg.alerts, metrics.clone(), &tasks);
+    let webhooks = Webhooks::spawn(
+        &cfg.webhook,
+        &cfg.alerts,
+        metrics.clone(),
+        &tasks,
+        &api_base(&cfg, &host),
+    );
     // Scans and reclaim rounds: one owner, on its own thread.
     let core = {
         let cfg = cfg.clone();

@@ -32,6 +32,13 @@ pub struct Alert {
         skip_serializing_if = "Option::is_none"
     )]
     pub ended_at: Option<DateTime<Utc>>,
+    /// Resolved alerts: how long the alert fired, in seconds.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub duration_secs: Option<f64>,
+    /// Updates: what changed since the last notification (`count 8 -> 59`,
+    /// `verdict pending -> leak`, `new process node pid 812`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub change: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -43,6 +50,9 @@ pub enum Notification {
     Updated(Alert),
     /// A finding cleared; carries its last observed content.
     Resolved(Alert),
+    /// Unchanged and not due for an update: re-posted to Alertmanager receivers only, which
+    /// forget alerts that are not re-posted.
+    Refresh(Alert),
     /// A reclaim round closed sockets.
     Reclaimed(Reclaimed),
 }
@@ -51,9 +61,10 @@ impl Notification {
     /// What a log line names this notification by.
     pub fn key(&self) -> &str {
         match self {
-            Notification::Fired(a) | Notification::Updated(a) | Notification::Resolved(a) => {
-                &a.finding.fingerprint
-            }
+            Notification::Fired(a)
+            | Notification::Updated(a)
+            | Notification::Resolved(a)
+            | Notification::Refresh(a) => &a.finding.fingerprint,
             Notification::Reclaimed(r) => &r.policy,
         }
     }

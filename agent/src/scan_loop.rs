@@ -8,7 +8,7 @@ use std::{
 use tokio::sync::{mpsc, watch};
 
 use crate::{
-    alert::Tracker,
+    alert::{Cadence, Tracker},
     api::{Published, TableView},
     config::Config,
     detect::{self, ConnKey, Memory, StormTracker},
@@ -46,7 +46,7 @@ impl ScanLoop {
         let mut ticker = tokio::time::interval(self.cfg.agent.scan_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut carry = Carry {
-            alerts: Tracker::new(self.host.clone(), self.cfg.alerts.repeat_interval),
+            alerts: Tracker::new(self.host.clone(), Cadence::from_config(&self.cfg.alerts)),
             memory: Memory::default(),
             storm: StormTracker::default(),
             window_start: Instant::now(),

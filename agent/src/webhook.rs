@@ -18,42 +18,71 @@ use crate::{
     tasks::Supervisor,
 };
 
-/// Body of one notification in the given format.
-pub fn body(n: &Notification, format: WebhookFormat, repeat: Duration) -> Value {
-    match (n, format) {
+/// What Alertmanager bodies need beyond the notification.
+#[derive(Clone, Default)]
+pub struct AmContext {
+    /// Re-post interval: firing alerts end four of these ahead.
+    pub resend: Duration,
+    /// `[alerts.severity]` overrides by kind.
+    pub severity: std::collections::BTreeMap<String, String>,
+    /// `http://HOST:PORT` of this agent's API, for `generatorURL`.
+    pub api_base: String,
+}
+
+/// Body of one notification in the given format; None when this format does not get it
+/// (refreshes are for Alertmanager only).
+pub fn body(n: &Notification, format: WebhookFormat, am: &AmContext) -> Option<Value> {
+    Some(match (n, format) {
+        (Notification::Refresh(_), WebhookFormat::Json) => return None,
         (n, WebhookFormat::Json) => serde_json::to_value(n).unwrap_or(Value::Null),
         (Notification::Reclaimed(r), WebhookFormat::Alertmanager) => reclaimed_alertmanager(r),
         (
-            Notification::Fired(a) | Notification::Updated(a) | Notification::Resolved(a),
+            Notification::Fired(a)
+            | Notification::Updated(a)
+            | Notification::Resolved(a)
+            | Notification::Refresh(a),
             WebhookFormat::Alertmanager,
-        ) => alert_alertmanager(a, repeat),
-    }
+        ) => alert_alertmanager(a, am),
+    })
 }
 
-fn alert_alertmanager(alert: &Alert, repeat: Duration) -> Value {
+/// A finding as an Alertmanager alert. Labels are its identity (they must not change while
+/// it fires: kind, fingerprint, host, command, unit, service port, quota, severity); what
+/// changes (pids, counts, the verdict's text) goes in annotations.
+fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     let f = &alert.finding;
+    let severity = am
+        .severity
+        .get(f.kind.as_str())
+        .map_or(f.kind.default_severity(), String::as_str);
     let mut labels = json!({
         "alertname": f.kind.as_str(),
         "fingerprint": f.fingerprint,
         "host": alert.host,
         "service": "connreap",
+        "severity": severity,
     });
+    if let Some(p) = f.processes.first() {
+        labels["comm"] = json!(p.comm);
+        if let Some(unit) = &p.unit {
+            labels["unit"] = json!(unit);
+        }
+    }
     if let Some(p) = f.service_port {
         labels["service_port"] = json!(p.to_string());
     }
     if let Some(q) = &f.quota {
         labels["quota"] = json!(q.name);
     }
-    if let Some(v) = f.verdict {
-        labels["verdict"] = json!(v.as_str());
-    }
-    // A firing alert is valid for two repeat intervals unless re-sent, so a dead agent's
-    // alerts expire instead of firing forever; resolved alerts end now.
+    let resend = am.resend;
+    // A firing alert is re-posted every `resend` and valid for four of those, as Prometheus
+    // does: a restarted Alertmanager has it back within one resend, a dead agent's alert
+    // expires; resolved alerts end when they ended.
     let ends_at = match (alert.status, alert.ended_at) {
         (Status::Resolved, Some(end)) => rfc3339(end),
         _ => rfc3339(
             chrono::Utc::now()
-                + chrono::Duration::from_std(repeat * 2).unwrap_or(chrono::Duration::hours(2)),
+                + chrono::Duration::from_std(resend * 4).unwrap_or(chrono::Duration::minutes(4)),
         ),
     };
     json!([{
@@ -63,10 +92,28 @@ fn alert_alertmanager(alert: &Alert, repeat: Duration) -> Value {
             "count": f.count.to_string(),
             "oldest_age_secs": f.oldest_age_secs.to_string(),
             "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
+            "pids": f.processes.iter().filter_map(|p| p.pid).map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+            "verdict": f.verdict.map_or("", |v| v.as_str()),
+            "change": alert.change.as_deref().unwrap_or(""),
         },
         "startsAt": rfc3339(alert.started_at),
         "endsAt": ends_at,
+        "generatorURL": format!("{}/v1/findings?fingerprint={}", am.api_base, urlencode(&f.fingerprint)),
     }])
+}
+
+/// Percent-encoding for a query value (fingerprints hold `:`, `@`, `>`, `/`).
+fn urlencode(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for b in s.bytes() {
+        match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                out.push(b as char)
+            }
+            _ => out.push_str(&format!("%{b:02X}")),
+        }
+    }
+    out
 }
 
 /// A reclaim round as an Alertmanager alert that starts and ends at once.
@@ -103,7 +150,7 @@ struct Queue {
 #[derive(Clone, Default)]
 pub struct Webhooks {
     receivers: Vec<(WebhookConfig, Arc<Queue>)>,
-    repeat: Duration,
+    am: AmContext,
     metrics: Option<Arc<Metrics>>,
 }
 
@@ -114,6 +161,7 @@ impl Webhooks {
         alerts: &AlertsConfig,
         metrics: Arc<Metrics>,
         tasks: &Supervisor,
+        api_base: &str,
     ) -> Self {
         let client = reqwest::Client::builder()
             .timeout(alerts.timeout)
@@ -139,7 +187,11 @@ impl Webhooks {
         }
         Webhooks {
             receivers,
-            repeat: alerts.repeat_interval,
+            am: AmContext {
+                resend: alerts.alertmanager_resend,
+                severity: alerts.severity.clone(),
+                api_base: api_base.to_string(),
+            },
             metrics: Some(metrics),
         }
     }
@@ -147,8 +199,11 @@ impl Webhooks {
     /// Queue `n` for every receiver.
     pub fn send(&self, n: &Notification) {
         for (cfg, q) in &self.receivers {
+            let Some(body) = body(n, cfg.format, &self.am) else {
+                continue;
+            };
             let item = Item {
-                body: body(n, cfg.format, self.repeat),
+                body,
                 key: n.key().to_string(),
             };
             self.enqueue(cfg, q, item);
@@ -251,16 +306,29 @@ mod tests {
             host: "relay-1".into(),
             started_at: "2026-12-02T10:00:00Z".parse().unwrap(),
             ended_at: Some("2026-12-02T10:05:00Z".parse().unwrap()),
+            duration_secs: Some(300.0),
+            change: None,
         };
         let a = Notification::Resolved(a);
-        let b = body(&a, WebhookFormat::Alertmanager, Duration::from_secs(3600));
+        let am = AmContext {
+            resend: Duration::from_secs(60),
+            api_base: "http://relay-1:9477".into(),
+            ..Default::default()
+        };
+        let b = body(&a, WebhookFormat::Alertmanager, &am).unwrap();
         let first = &b[0];
         assert_eq!(first["labels"]["alertname"], "quota_exhausted_by_leak");
         assert_eq!(first["labels"]["service_port"], "21000");
-        assert_eq!(first["labels"]["verdict"], "leak");
+        assert_eq!(first["annotations"]["verdict"], "leak");
         assert_eq!(first["startsAt"], "2026-12-02T10:00:00Z");
         assert_eq!(first["endsAt"], "2026-12-02T10:05:00Z");
-        let j = body(&a, WebhookFormat::Json, Duration::from_secs(3600));
+        assert_eq!(first["labels"]["severity"], "critical");
+        assert!(first["labels"].get("pid").is_none(), "the pid is no label");
+        assert_eq!(
+            first["generatorURL"],
+            "http://relay-1:9477/v1/findings?fingerprint=quota_exhausted_by_leak%3Arelay%3A21000"
+        );
+        let j = body(&a, WebhookFormat::Json, &am).unwrap();
         assert_eq!(j["status"], "resolved");
         assert_eq!(j["host"], "relay-1");
     }

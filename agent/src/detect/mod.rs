@@ -39,6 +39,16 @@ impl Kind {
             Kind::QuotaSourceUnavailable => "quota_source_unavailable",
         }
     }
+    /// The `severity` label a kind's alerts carry unless `[alerts.severity]` says otherwise:
+    /// critical where users are already failing or about to (a full quota, a storm).
+    pub fn default_severity(self) -> &'static str {
+        match self {
+            Kind::QuotaExhaustedByLeak | Kind::ReconnectStorm => "critical",
+            Kind::CloseWaitBuildup | Kind::StuckEstablishedPairs | Kind::QuotaSourceUnavailable => {
+                "warning"
+            }
+        }
+    }
     pub const ALL: [Kind; 5] = [
         Kind::CloseWaitBuildup,
         Kind::StuckEstablishedPairs,
@@ -84,6 +94,9 @@ pub enum Verdict {
     Leak,
     /// Most of them are busy: real load.
     Load,
+    /// Not known yet: too many connections are younger than the idle threshold for their
+    /// idleness to tell (`verdict_known_in_secs` says when it will be known).
+    Pending,
 }
 
 impl Verdict {
@@ -91,6 +104,7 @@ impl Verdict {
         match self {
             Verdict::Leak => "leak",
             Verdict::Load => "load",
+            Verdict::Pending => "pending",
         }
     }
 }
@@ -114,6 +128,9 @@ pub struct Finding {
     /// quota_exhausted_by_leak: "leak" or "load".
     #[serde(skip_serializing_if = "Option::is_none")]
     pub verdict: Option<Verdict>,
+    /// quota_exhausted_by_leak with a pending verdict: seconds until it is known at the latest.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub verdict_known_in_secs: Option<f64>,
     /// close_wait_buildup: change in count since the previous scan.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub growth: Option<i64>,
@@ -138,6 +155,7 @@ impl Finding {
             quota: None,
             sockets: Vec::new(),
             verdict: None,
+            verdict_known_in_secs: None,
             growth: None,
             rate_per_sec: None,
             reason: None,

@@ -1,4 +1,6 @@
 //! quota_exhausted_by_leak and quota_source_unavailable.
+use std::time::Duration;
+
 use rustc_hash::FxHashMap;
 
 use super::{
@@ -74,7 +76,7 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                         || s.idle.is_some_and(|i| i >= cfg.quota_idle_min)
                 })
                 .collect();
-            let leak = !conns.is_empty() && idle.len() * 2 > conns.len();
+            let (verdict, known_in) = verdict(&conns, idle.len(), cfg.quota_idle_min);
             let ends: Vec<&Socket> = conns
                 .iter()
                 .flat_map(|s| [Some(*s), other_end.get(&s.skaddr).copied()])
@@ -82,7 +84,8 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 .collect();
             let procs = processes(ends.iter().copied());
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
-            let summary = summary(status, qcfg, entry, &conns, &idle, &other_end, leak);
+            let summary = summary(status, qcfg, entry, &conns, &idle, &other_end, cfg);
+            let summary = summary + &verdict_text(verdict, known_in, cfg.quota_idle_min);
             let mut f = Finding::new(
                 Kind::QuotaExhaustedByLeak,
                 &format!("{}:{}", status.name, entry.port),
@@ -98,7 +101,8 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 limit: entry.limit,
             });
             f.sockets = oldest_briefs(ends.iter().copied());
-            f.verdict = Some(if leak { Verdict::Leak } else { Verdict::Load });
+            f.verdict = Some(verdict);
+            f.verdict_known_in_secs = known_in.map(round_secs);
             out.push(f);
         }
     }
@@ -114,7 +118,7 @@ fn summary(
     conns: &[&Socket],
     idle: &[&Socket],
     other_end: &FxHashMap<u64, &Socket>,
-    leak: bool,
+    cfg: &crate::config::DetectConfig,
 ) -> String {
     let socket_port = qcfg.socket_port(entry.port);
     let mut summary = format!(
@@ -128,7 +132,6 @@ fn summary(
         summary.push_str("; no matching connections on this host");
         return summary;
     }
-    let min_idle = idle.iter().filter_map(|s| s.idle).min().unwrap_or_default();
     summary.push_str(&format!(
         "; {} of {} connections idle{} for ≥ {}",
         idle.len(),
@@ -138,7 +141,7 @@ fn summary(
         } else {
             ""
         },
-        human(min_idle)
+        human(cfg.quota_idle_min)
     ));
     let mut sides: Vec<String> = Vec::new();
     let client_side: Vec<&Socket> = conns
@@ -150,12 +153,37 @@ fn summary(
     }
     sides.push(describe_owners(&processes(conns.iter().copied())));
     summary.push_str(&format!("; held by {}", sides.join(" ↔ ")));
-    summary.push_str(if leak {
-        "; verdict: leak"
-    } else {
-        "; verdict: load (connections are busy)"
-    });
     summary
+}
+
+/// Leak when most connections are idle (or CLOSE_WAIT); load when most are busy and old enough
+/// that their idleness could have shown; pending otherwise, with the longest wait until it is
+/// known (the youngest deciding connection reaching `idle_min`).
+fn verdict(conns: &[&Socket], idle: usize, idle_min: Duration) -> (Verdict, Option<Duration>) {
+    if !conns.is_empty() && idle * 2 > conns.len() {
+        return (Verdict::Leak, None);
+    }
+    let young: Vec<Duration> = conns
+        .iter()
+        .filter(|s| s.state != TcpState::CloseWait && s.age < idle_min)
+        .map(|s| idle_min - s.age)
+        .collect();
+    if conns.is_empty() || (idle + young.len()) * 2 <= conns.len() {
+        return (Verdict::Load, None);
+    }
+    (Verdict::Pending, young.iter().max().copied())
+}
+
+fn verdict_text(verdict: Verdict, known_in: Option<Duration>, idle_min: Duration) -> String {
+    match verdict {
+        Verdict::Leak => "; verdict: leak".into(),
+        Verdict::Load => "; verdict: load (connections are busy)".into(),
+        Verdict::Pending => format!(
+            "; verdict: pending (connections younger than quota_idle_min {}; known in ≤ {})",
+            human(idle_min),
+            human(known_in.unwrap_or_default())
+        ),
+    }
 }
 
 pub fn unavailable(quotas: &[QuotaStatus]) -> Vec<Finding> {
@@ -260,11 +288,40 @@ limit = 4
         );
         assert_eq!(f.count, 64);
         assert!(
-            f.summary.starts_with("relay quota on port 21000 at 64/64 (connections on local port 25001); 64 of 64 connections idle for ≥ 6m00s; held by node pid 10 ↔ relay pid 20"),
+            f.summary.starts_with("relay quota on port 21000 at 64/64 (connections on local port 25001); 64 of 64 connections idle for ≥ 1m00s; held by node pid 10 ↔ relay pid 20"),
             "{}", f.summary
         );
         let comms: Vec<&str> = f.processes.iter().map(|p| p.comm.as_str()).collect();
         assert!(comms.contains(&"node") && comms.contains(&"relay"));
+    }
+
+    #[test]
+    fn young_busy_connections_make_a_pending_verdict_with_when_it_is_known() {
+        // Default quota_idle_min is 1m: connections 20 s old cannot have been idle for it yet.
+        let mut t = relay_table(64, 2);
+        for s in &mut t {
+            s.age = Duration::from_secs(20);
+        }
+        let f = &run(&t, 64, 64, &cfgs())[0];
+        assert_eq!(f.verdict, Some(Verdict::Pending));
+        assert_eq!(f.verdict_known_in_secs, Some(40.0));
+        assert!(
+            f.summary.ends_with(
+                "verdict: pending (connections younger than quota_idle_min 1m00s; known in ≤ 40s)"
+            ),
+            "{}",
+            f.summary
+        );
+        assert!(
+            f.summary.contains("0 of 64 connections idle for ≥ 1m00s"),
+            "{}",
+            f.summary
+        );
+        // Once they are older than the threshold, busy connections read as load.
+        for s in &mut t {
+            s.age = Duration::from_secs(61);
+        }
+        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict, Some(Verdict::Load));
     }
 
     #[test]
