@@ -211,6 +211,7 @@ fn main() -> Result<()> {
                 return Ok(());
             }
             // Privileged end-to-end tests: one network namespace per test, run one at a time.
+            setup::ensure_test_packages()?;
             let mut cmd = cargo();
             cmd.args(["test", "--release", "--package", "connreap-tests", "--"])
                 .args(["--test-threads=1"])

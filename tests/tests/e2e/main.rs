@@ -15,6 +15,7 @@
 //! Every wait is a bounded poll; scans run every second and thresholds and ages are a few
 //! seconds, so each test takes well under a minute even on a loaded machine.
 
+mod alerting;
 mod daemon;
 mod fixtures_selftest;
 mod reclaim;
