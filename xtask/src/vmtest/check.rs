@@ -402,39 +402,63 @@ pub fn bpf_iter(log: &GuestLog, has_kfunc: bool) -> Cell {
     }
 }
 
-/// Below the minimum: `connreap snapshot` refuses with one line that names the kernel and the
-/// missing feature. Also reports what the refusal left pinned on bpffs.
-pub fn refusal(log: &GuestLog) -> (Cell, String) {
+/// Below the minimum: `connreap snapshot` refuses with one line naming the kernel, and the
+/// cell says what the refusal left pinned on bpffs and what the verifier said (`-v`).
+///
+/// The target (issue 19) is a `kernel too old: ...` line that names the missing feature, with
+/// no pins left. Until the agent says "too old", its current one-line load error ("kernel
+/// refused BPF program ...") passes and the pins are only reported; once it says "too old",
+/// naming the feature and leaving no pins are required.
+pub fn refusal(log: &GuestLog) -> Cell {
     let rc = log.rc("snapshot.out");
     let err = log.text("snapshot.err");
     let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    let msg = lines.first().copied().unwrap_or("");
     let pins: Vec<&str> = log
         .text("pins")
         .lines()
-        .filter(|l| l.starts_with("/sys/fs/bpf/connreap"))
+        .filter_map(|l| l.strip_prefix("/sys/fs/bpf/connreap/"))
+        .filter_map(|l| l.split_once('/').map(|(_, name)| name))
         .collect();
-    let pins = if pins.is_empty() {
+    let pinned = if pins.is_empty() {
         "no pins left".to_string()
     } else {
-        format!("{} pins left under /sys/fs/bpf/connreap", pins.len())
+        format!("maps left pinned: {}", pins.join(", "))
     };
-    let msg = lines.first().copied().unwrap_or("");
+    let verifier = log
+        .text("snapshot-verbose.err")
+        .split_once("verifier log:")
+        .map(|(_, v)| first_line(v).to_string())
+        .unwrap_or_default();
+    let one_line = rc.is_some_and(|rc| rc != 0) && lines.len() == 1 && msg.contains("kernel");
     let names_feature = FEATURE_WORDS.iter().any(|w| msg.contains(w));
-    if rc.is_some_and(|rc| rc != 0) && lines.len() == 1 && msg.contains("kernel") && names_feature {
-        (Cell::ok(format!("refused as expected: `{msg}`")), pins)
-    } else {
-        (
+    let seen = format!("`{msg}`; -v: `{verifier}`; {pinned}");
+    if one_line && msg.contains("too old") {
+        if names_feature && pins.is_empty() {
+            Cell::ok(format!("refused as expected: {seen}"))
+        } else {
             Cell::fail(format!(
-                "exit {rc:?}, expected one line naming the kernel and the missing feature: {err:?}"
-            )),
-            pins,
-        )
+                "the refusal must name the feature and leave no pins: {seen}"
+            ))
+        }
+    } else if one_line && msg.contains(CURRENT_REFUSAL) {
+        Cell::ok(format!(
+            "refused (generic load error, names no feature): {seen}"
+        ))
+    } else {
+        Cell::fail(format!(
+            "exit {rc:?}, expected one line naming the kernel: {err:?}"
+        ))
     }
 }
 
-/// Words of which the refusal must contain one: the feature 5.10 lacks (64-bit BPF atomics,
-/// which the verifier reports as `BPF_STX uses reserved fields`) or the minimum version.
-const FEATURE_WORDS: &[&str] = &["cmpxchg", "atomic", "BPF_STX", "5.11", "5.12"];
+/// Words of which a "too old" refusal must contain one: the feature 5.10 lacks (64-bit BPF
+/// atomics such as cmpxchg, which its verifier reports as `BPF_STX uses reserved fields`) or
+/// the first kernel that has it.
+const FEATURE_WORDS: &[&str] = &["cmpxchg", "atomic", "BPF_STX", "5.12"];
+
+/// The agent's current, generic load error.
+const CURRENT_REFUSAL: &str = "kernel refused BPF program";
 
 /// No WARN/BUG/Oops, not tainted, the scenario ran to its end, lockdown as asked.
 pub fn health(log: &GuestLog, lockdown: bool) -> Cell {
@@ -504,5 +528,39 @@ mod tests {
         let o = fd_owners("12 3 socket:[99] connreap-testpe\n12 4 pipe:[5] x\n");
         assert_eq!(o[&99], vec![(12, 3, "connreap-testpe".to_string())]);
         assert_eq!(o.len(), 1);
+    }
+
+    fn refusal_log(msg: &str, pins: &str) -> GuestLog {
+        GuestLog::parse(&format!(
+            "@@begin snapshot.err\n{msg}\n@@end snapshot.err rc=1\n\
+             @@begin snapshot.out\n\n@@end snapshot.out rc=1\n\
+             @@begin pins\n/sys/fs/bpf\n{pins}\n@@end pins rc=0\n\
+             @@begin snapshot-verbose.err\nx\nverifier log:\nBPF_STX uses reserved fields\n@@end snapshot-verbose.err rc=1\n"
+        ))
+    }
+
+    #[test]
+    fn refusal_today_passes_and_reports_pins() {
+        let c = refusal(&refusal_log(
+            "connreap: kernel refused BPF program connreap_set_state: Invalid argument (os error 22)",
+            "/sys/fs/bpf/connreap\n/sys/fs/bpf/connreap/abc\n/sys/fs/bpf/connreap/abc/state",
+        ));
+        assert!(c.ok, "{}", c.text);
+        assert!(c.text.contains("maps left pinned: state"), "{}", c.text);
+        assert!(
+            c.text.contains("-v: `BPF_STX uses reserved fields`"),
+            "{}",
+            c.text
+        );
+    }
+
+    #[test]
+    fn too_old_must_name_the_feature_and_leave_no_pins() {
+        let good = "connreap: kernel too old: 5.10 lacks 64-bit BPF atomics (cmpxchg, Linux 5.12)";
+        assert!(refusal(&refusal_log(good, "")).ok);
+        assert!(!refusal(&refusal_log(good, "/sys/fs/bpf/connreap/abc/state")).ok);
+        assert!(!refusal(&refusal_log("connreap: kernel too old", "")).ok);
+        assert!(!refusal(&refusal_log("connreap: something else", "")).ok);
+        assert!(!refusal(&refusal_log(&format!("{good}\nsecond line"), "")).ok);
     }
 }

@@ -130,9 +130,10 @@ kernel_view tcp-at-snapshot
 fds >/tmp/fds.txt
 block fds /tmp/fds.txt 0
 if [ $snapshot_rc -ne 0 ]; then
-    # A refused load: what is left on bpffs afterwards.
+    # A refused load: what is left on bpffs afterwards, then the verifier's reason (-v).
     find /sys/fs/bpf >/tmp/pins.txt 2>&1
     block pins /tmp/pins.txt 0
+    step snapshot-verbose connreap -v snapshot
     finish
 fi
 kill_peers
