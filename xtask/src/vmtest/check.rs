@@ -476,6 +476,9 @@ pub fn health(log: &GuestLog, lockdown: bool) -> Cell {
     if let Some(m) = log.fact("insmod_failed") {
         problems.push(format!("insmod {m} failed"));
     }
+    if let Some(p) = log.fact("peer_not_ready") {
+        problems.push(format!("test peer not ready: {p}"));
+    }
     let mode = log.fact("lockdown").unwrap_or("");
     if lockdown != mode.contains("[integrity]") {
         problems.push(format!("lockdown: {mode}"));

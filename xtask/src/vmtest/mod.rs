@@ -83,6 +83,9 @@ const MATRIX: &[Boot] = &[
     },
 ];
 
+/// A boot still running after this is killed and counted as failed (a hung guest).
+const BOOT_TIMEOUT_SECS: u64 = 300;
+
 #[derive(clap::Args)]
 pub struct VmtestArgs {
     /// Use the binaries already built (target/release/connreap and connreap-testpeer).
@@ -95,7 +98,7 @@ pub struct VmtestArgs {
     #[arg(long)]
     list: bool,
     /// Longest a boot may take, in seconds, before it is killed and counted as failed.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = BOOT_TIMEOUT_SECS)]
     timeout: u64,
 }
 
@@ -141,7 +144,7 @@ pub fn from_test() -> Result<()> {
         no_build: true,
         only: Vec::new(),
         list: false,
-        timeout: 300,
+        timeout: BOOT_TIMEOUT_SECS,
     })
 }
 
