@@ -206,9 +206,10 @@ fn main() -> Result<()> {
                 .args(&args)
                 .env("CONNREAP_BIN", agent_bin());
             run(&mut cmd)?;
-            vmtest::from_test()?; // skipped when CONNREAP_SKIP_VMTEST=1
-                                  // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
-                                  // under a minute) that proves `cargo xtask bench` still works.
+            // The kernel matrix under QEMU (skipped when CONNREAP_SKIP_VMTEST=1).
+            vmtest::from_test()?;
+            // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
+            // under a minute) that proves `cargo xtask bench` still works.
             let exe = std::env::current_exe()?;
             run(Command::new(exe).args(["bench", "--smoke", "--no-build", "--wait-quiet", "0"]))
         }
