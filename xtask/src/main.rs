@@ -3,6 +3,7 @@
 //! missing, saying what it installs.
 mod bench;
 mod setup;
+mod vmtest;
 
 use std::{
     path::{Path, PathBuf},
@@ -41,6 +42,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The kernel matrix: boot Debian kernels under QEMU and run a smoke scenario in each.
+    Vmtest(vmtest::VmtestArgs),
     /// Benchmarks; writes BENCHMARKS.md.
     Bench(bench::BenchArgs),
     /// Load generators the bench re-executes (internal).
@@ -218,11 +221,14 @@ fn main() -> Result<()> {
                 .args(&args)
                 .env("CONNREAP_BIN", agent_bin());
             run(&mut cmd)?;
+            // The kernel matrix under QEMU (skipped when CONNREAP_SKIP_VMTEST=1).
+            vmtest::from_test()?;
             // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
             // under a minute) that proves `cargo xtask bench` still works.
             let exe = std::env::current_exe()?;
             run(Command::new(exe).args(["bench", "--smoke", "--no-build", "--wait-quiet", "0"]))
         }
+        Cmd::Vmtest(args) => vmtest::run(args),
         Cmd::Bench(args) => bench::run(args),
         Cmd::BenchWorker(args) => bench::worker(args),
     }
