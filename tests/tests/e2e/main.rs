@@ -9,6 +9,7 @@
 //!   the HTTP API serves.
 //! - `reclaim`: reclaim under policy, checked where it has effects (the relay's `/status`, a
 //!   real request through the chain, `ss`, the audit log, the API, the processes).
+//! - `safety`: faults an adversarial operator would try (issue 16) and what connreap does.
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
 //!   `netns_variants`).
 //!
@@ -18,4 +19,5 @@
 mod daemon;
 mod fixtures_selftest;
 mod reclaim;
+mod safety;
 mod snapshot;
