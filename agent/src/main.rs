@@ -128,6 +128,9 @@ fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode
             return Ok(ExitCode::from(config::EX_CONFIG));
         }
     };
+    for w in config::warnings(&cfg) {
+        tracing::warn!("{source}: {w}");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -255,6 +258,9 @@ fn main() -> ExitCode {
         },
         Cmd::CheckConfig { path } => match config::load(path) {
             Ok(c) => {
+                for w in config::warnings(&c) {
+                    eprintln!("connreap: warning: {}: {w}", path.display());
+                }
                 println!(
                     "{}: ok ({} quota sources, {} webhooks, {} policies)",
                     path.display(),

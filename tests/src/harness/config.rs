@@ -193,7 +193,11 @@ impl Config {
         self
     }
 
+    /// `api.token_file`. The file (when it exists) is made private to its owner (mode 0600):
+    /// connreap refuses a token file that group or others can read.
     pub fn token_file(mut self, path: &Path) -> Config {
+        use std::os::unix::fs::PermissionsExt as _;
+        let _ = fs::set_permissions(path, fs::Permissions::from_mode(0o600));
         self.token_file = Some(path.to_path_buf());
         self
     }
