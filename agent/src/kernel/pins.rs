@@ -291,6 +291,13 @@ mod tests {
     }
 
     #[test]
+    fn every_shared_map_pin_is_one_connreap_may_remove() {
+        for (_, pin) in super::super::SHARED_MAPS {
+            assert!(PIN_NAMES.contains(&pin), "{pin} missing from PIN_NAMES");
+        }
+    }
+
+    #[test]
     fn finds_mount_points_in_mountinfo() {
         let info = "23 1 0:21 / / rw - ext4 /dev/root rw\n\
                     47 23 0:40 / /sys/fs/bpf rw,relatime - bpf bpf rw\n\
