@@ -42,6 +42,8 @@ pub struct Published {
     pub scans: u64,
     /// Notifications waiting for webhook receivers.
     pub webhook_queued: usize,
+    /// The state tracker is detached and could not be re-attached: why.
+    pub tracker_problem: Option<String>,
 }
 
 pub struct AppState {
@@ -98,6 +100,7 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     // Scans work, but something a user relies on does not: still 200 (restarting the agent
     // would not help), with each problem named.
     let mut problems: Vec<String> = st.tasks.failures();
+    problems.extend(p.tracker_problem.clone());
     if let Some(e) = &st.engine.status.borrow().audit_error {
         problems.push(format!(
             "audit log not writable, enforce policies kill nothing: {e}"

@@ -82,6 +82,7 @@ impl ScanLoop {
             table,
             counters,
             programs,
+            tracker,
         } = match self.engine.scan().await {
             Ok(out) => out,
             Err(e) => {
@@ -135,6 +136,7 @@ impl ScanLoop {
             p.last_scan_error = None;
             p.scans += 1;
             p.webhook_queued = queued;
+            p.tracker_problem = tracker.problem().map(str::to_string);
         });
         true
     }
