@@ -99,7 +99,10 @@ pub fn ensure() -> Result<()> {
 /// Debian packages the end-to-end tests run for real next to connreap (what users run):
 /// Alertmanager and Prometheus (with promtool).
 const TEST_PACKAGES: &[(&str, &str)] = &[
-    ("prometheus-alertmanager", "/usr/bin/prometheus-alertmanager"),
+    (
+        "prometheus-alertmanager",
+        "/usr/bin/prometheus-alertmanager",
+    ),
     ("prometheus", "/usr/bin/promtool"),
 ];
 
@@ -114,7 +117,10 @@ pub fn ensure_test_packages() -> Result<()> {
     if missing.is_empty() {
         return Ok(());
     }
-    eprintln!("xtask: installing {} with apt (end-to-end tests)", missing.join(" "));
+    eprintln!(
+        "xtask: installing {} with apt (end-to-end tests)",
+        missing.join(" ")
+    );
     // SAFETY: geteuid has no preconditions and cannot fail.
     if unsafe { libc::geteuid() } != 0 {
         bail!("installing packages needs root: run the tests as root");

@@ -75,6 +75,17 @@ pub(super) const REPEAT_INTERVAL: Range<Duration> = Range {
     min: secs(1),
     max: secs(30 * DAY),
 };
+pub(super) const RENOTIFY_INTERVAL: Range<Duration> = Range {
+    key: "alerts.renotify_interval",
+    min: secs(1),
+    max: secs(30 * DAY),
+};
+/// Alertmanager forgets an alert at its endsAt (four of these ahead): a day at most.
+pub(super) const ALERTMANAGER_RESEND: Range<Duration> = Range {
+    key: "alerts.alertmanager_resend",
+    min: secs(1),
+    max: secs(DAY),
+};
 pub(super) const QUEUE_CAPACITY: Range<u64> = Range {
     key: "alerts.queue_capacity",
     min: 1,
@@ -214,6 +225,8 @@ pub(super) fn all() -> Vec<(&'static str, String)> {
         d(&STORM_RATE),
         d(&STORM_GROWTH_WINDOWS),
         d(&REPEAT_INTERVAL),
+        d(&RENOTIFY_INTERVAL),
+        d(&ALERTMANAGER_RESEND),
         d(&QUEUE_CAPACITY),
         d(&MAX_BACKOFF),
         d(&ALERTS_TIMEOUT),

@@ -40,6 +40,9 @@ pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
     ranges::STORM_GROWTH_WINDOWS.top(count(d.storm_growth_windows))?;
     let a = &cfg.alerts;
     ranges::REPEAT_INTERVAL.top(a.repeat_interval)?;
+    ranges::RENOTIFY_INTERVAL.top(a.renotify_interval)?;
+    ranges::ALERTMANAGER_RESEND.top(a.alertmanager_resend)?;
+    validate_severity(a)?;
     ranges::QUEUE_CAPACITY.top(count(a.queue_capacity))?;
     ranges::MAX_BACKOFF.top(a.max_backoff)?;
     ranges::ALERTS_TIMEOUT.top(a.timeout)?;
@@ -54,6 +57,26 @@ pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
         }
     }
     validate_policies(cfg)
+}
+
+/// `[alerts.severity]`: known kinds, the levels Alertmanager routes on.
+fn validate_severity(a: &super::AlertsConfig) -> Result<(), Invalid> {
+    for (kind, level) in &a.severity {
+        let known = crate::detect::Kind::ALL.iter().any(|k| k.as_str() == kind);
+        if !known {
+            return Err(invalid(
+                top("alerts", "severity"),
+                format!("`{kind}` is not a finding kind"),
+            ));
+        }
+        if !["critical", "warning", "info"].contains(&level.as_str()) {
+            return Err(invalid(
+                top("alerts", "severity"),
+                format!("`{kind} = \"{level}\"`: expected critical, warning or info"),
+            ));
+        }
+    }
+    Ok(())
 }
 
 fn validate_quotas(cfg: &Config) -> Result<(), Invalid> {

@@ -283,7 +283,10 @@ impl fmt::Display for Config {
             writeln!(f, "\n[[webhook]]\nurl = \"{url}\"\nformat = \"json\"")?;
         }
         for url in &self.alertmanagers {
-            writeln!(f, "\n[[webhook]]\nurl = \"{url}\"\nformat = \"alertmanager\"")?;
+            writeln!(
+                f,
+                "\n[[webhook]]\nurl = \"{url}\"\nformat = \"alertmanager\""
+            )?;
         }
         for q in &self.quotas {
             write!(f, "\n{q}")?;

@@ -34,7 +34,9 @@ fn alerts_reach_alertmanager_survive_its_restart_and_resolve() {
             std::env::var("CI").is_err(),
             "{ALERTMANAGER} missing under CI"
         );
-        eprintln!("skipped: {ALERTMANAGER} not installed (apt-get install prometheus-alertmanager)");
+        eprintln!(
+            "skipped: {ALERTMANAGER} not installed (apt-get install prometheus-alertmanager)"
+        );
         return;
     }
     let ns = NetNs::new("am");
@@ -48,9 +50,18 @@ fn alerts_reach_alertmanager_survive_its_restart_and_resolve() {
     let agent = Agent::start(&ns, &dir, &config);
     let (_server, _) = peer(
         &ns,
-        &["listen", "--addr", "127.0.0.1:7402", "--close-after-ms", "1000"],
+        &[
+            "listen",
+            "--addr",
+            "127.0.0.1:7402",
+            "--close-after-ms",
+            "1000",
+        ],
     );
-    let (client, _) = peer(&ns, &["connect", "--addr", "127.0.0.1:7402", "--count", "12"]);
+    let (client, _) = peer(
+        &ns,
+        &["connect", "--addr", "127.0.0.1:7402", "--count", "12"],
+    );
 
     let alert = wait_for_alert(&ns, &agent, "the leak's alert", |a| a.is_some());
     assert_identity(&alert, client.pid());
@@ -165,9 +176,10 @@ fn wait_for_am_post(hook: &WebhookReceiver, agent: &Agent, status: &str) {
     let post = hook.wait_for_body(Duration::from_secs(30), |b| {
         b["receiver"] == "hook"
             && b["status"] == status
-            && b["alerts"]
-                .as_array()
-                .is_some_and(|a| a.iter().any(|x| x["labels"]["alertname"] == "close_wait_buildup"))
+            && b["alerts"].as_array().is_some_and(|a| {
+                a.iter()
+                    .any(|x| x["labels"]["alertname"] == "close_wait_buildup")
+            })
     });
     assert!(
         post.is_some(),
