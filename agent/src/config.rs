@@ -305,25 +305,38 @@ pub struct PolicyConfig {
     pub min_idle: Option<Duration>,
     #[serde(default, with = "humantime_serde::option")]
     pub min_age: Option<Duration>,
-    #[serde(default = "default_order")]
-    pub order: String,
+    #[serde(default)]
+    pub order: Order,
     #[serde(default = "default_max_per_round")]
     pub max_per_round: usize,
-    #[serde(default = "default_action")]
-    pub action: String,
+    #[serde(default)]
+    pub action: Action,
+}
+
+/// Which selected sockets a round takes first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Order {
+    /// Longest in their state first, then longest idle (the relay operators' rule: age, not
+    /// idleness, because quiet streams are legitimately idle).
+    #[default]
+    OldestFirst,
+}
+
+/// What a round does to a socket it takes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    /// SOCK_DESTROY (or the bpf_sock_destroy fallback): RST where the state calls for it.
+    #[default]
+    Destroy,
 }
 
 fn default_mode() -> PolicyMode {
     PolicyMode::DryRun
 }
-fn default_order() -> String {
-    "oldest-first".into()
-}
 fn default_max_per_round() -> usize {
     8
-}
-fn default_action() -> String {
-    "destroy".into()
 }
 
 impl QuotaConfig {

@@ -172,7 +172,7 @@ fn reclaim_once(
         .enable_all()
         .build()?;
     let client = reqwest::Client::builder().no_proxy().build()?;
-    let now = present::rfc3339_ms(chrono::Utc::now());
+    let now = chrono::Utc::now();
     let quotas: Vec<quota::QuotaStatus> = cfg
         .quota
         .iter()
@@ -181,7 +181,7 @@ fn reclaim_once(
                 let timeout = quota::timeout(q, cfg.agent.scan_interval);
                 rt.block_on(quota::poll(&client, q, timeout, None))
             } else {
-                quota::static_status(q, &table, &now)
+                quota::static_status(q, &table, now)
             }
         })
         .collect();

@@ -24,7 +24,8 @@ pub struct QuotaStatus {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub url: Option<String>,
     /// RFC 3339 time (UTC, ms) the last poll was sent (or the count made, for static sources).
-    pub last_poll: Option<String>,
+    #[serde(serialize_with = "crate::present::ser_rfc3339_ms_opt")]
+    pub last_poll: Option<chrono::DateTime<chrono::Utc>>,
     pub entries: Vec<QuotaEntry>,
     /// Why the last poll failed; entries are from the last good poll, if any.
     pub error: Option<String>,
@@ -282,12 +283,16 @@ pub fn static_sockets<'a>(
     })
 }
 
-pub fn static_status(cfg: &QuotaConfig, table: &[Socket], now: &str) -> QuotaStatus {
+pub fn static_status(
+    cfg: &QuotaConfig,
+    table: &[Socket],
+    now: chrono::DateTime<chrono::Utc>,
+) -> QuotaStatus {
     QuotaStatus {
         name: cfg.name.clone(),
         source: "static",
         url: None,
-        last_poll: Some(now.to_string()),
+        last_poll: Some(now),
         entries: vec![QuotaEntry {
             port: cfg.peer.map(|p| p.port()).unwrap_or(0),
             used: static_sockets(cfg, table).count() as u64,
@@ -316,7 +321,7 @@ pub async fn poll(
     let url = cfg.url.clone().unwrap_or_default();
     // A reading is stamped with the time its request was sent: the source's counts can only
     // reflect what happened before then.
-    let now = crate::present::rfc3339_ms(chrono::Utc::now());
+    let now = chrono::Utc::now();
     let result = async {
         let resp = client
             .get(&url)

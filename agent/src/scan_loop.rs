@@ -159,7 +159,7 @@ impl ScanLoop {
     /// Every quota source's reading: HTTP sources from their pollers, static ones counted from
     /// `table`.
     fn quotas(&self, table: &[Socket]) -> Vec<QuotaStatus> {
-        let now = crate::present::rfc3339_ms(chrono::Utc::now());
+        let now = chrono::Utc::now();
         self.cfg
             .quota
             .iter()
@@ -174,7 +174,7 @@ impl ScanLoop {
                         error: None,
                     })
                 } else {
-                    quota::static_status(q, table, &now)
+                    quota::static_status(q, table, now)
                 }
             })
             .collect()

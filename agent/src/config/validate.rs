@@ -183,12 +183,6 @@ fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
                 _ => {}
             }
         }
-        if p.order != "oldest-first" {
-            return Err(invalid(key("order"), "only \"oldest-first\" is supported"));
-        }
-        if p.action != "destroy" {
-            return Err(invalid(key("action"), "only \"destroy\" is supported"));
-        }
         if let Some(d) = p.min_idle {
             ranges::MIN_IDLE.within(&entry, d)?;
         }

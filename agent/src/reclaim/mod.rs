@@ -368,7 +368,7 @@ quota = "relay"
             name: "relay".into(),
             source: "http",
             url: None,
-            last_poll: Some("t".into()),
+            last_poll: Some(chrono::Utc::now()),
             entries: vec![QuotaEntry {
                 port: 21000,
                 used: 64,
