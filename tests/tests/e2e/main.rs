@@ -9,6 +9,8 @@
 //!   the HTTP API serves.
 //! - `reclaim`: reclaim under policy, checked where it has effects (the relay's `/status`, a
 //!   real request through the chain, `ss`, the audit log, the API, the processes).
+//! - `safety`: faults reproduced for real (a full or read-only audit filesystem, API floods,
+//!   a second daemon, SIGTERM mid-request) and what connreap does about them.
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
 //!   `netns_variants`).
 //!
@@ -18,4 +20,5 @@
 mod daemon;
 mod fixtures_selftest;
 mod reclaim;
+mod safety;
 mod snapshot;
