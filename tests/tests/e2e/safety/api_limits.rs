@@ -174,6 +174,7 @@ fn api_connection_flood_is_capped_and_timed_out_while_scans_go_on() {
         }
     });
     let own = open_fds(agent.pid());
+    println!("the agent has {own} descriptors open, NOFILE {NOFILE}");
     assert!(
         own + MAX_CONNECTIONS + 16 < NOFILE as usize && own + FLOOD > NOFILE as usize,
         "the agent has {own} descriptors open: NOFILE {NOFILE} no longer tells capped from not"
