@@ -140,6 +140,12 @@ impl AuditLog {
         out
     }
 
+    /// Forget what was written for `policy`: its lines could not be written, so the next
+    /// round writes every decision again instead of taking the lost ones as written.
+    pub fn forget(&mut self, policy: &str) {
+        self.last.retain(|(p, _), _| p != policy);
+    }
+
     /// Rotate first if appending `extra` bytes would pass `max_bytes`.
     fn rotate_for(&self, extra: u64) -> std::io::Result<()> {
         if self.max_bytes == 0 {
@@ -227,6 +233,9 @@ mod tests {
             assert_eq!(log.dedupe("p", &d[..1]).len(), 0);
         }
         assert_eq!(log.dedupe("p", &d).len(), 2);
+        // Lines that could not be written are not taken as written.
+        log.forget("p");
+        assert_eq!(log.dedupe("p", &d).len(), 3);
         // Kills are never deduplicated.
         let k = decisions(1, Outcome::Killed);
         assert_eq!(log.dedupe("p", &k).len(), 1);

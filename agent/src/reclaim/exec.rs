@@ -356,6 +356,7 @@ impl Reclaimer {
                     }
                 }
                 Err(e) => {
+                    self.audit.forget(&p.name);
                     tracing::error!(error = %e, "cannot append to the audit log");
                     self.audit_error = Some(e.to_string());
                     audit_error = Some(e.to_string());

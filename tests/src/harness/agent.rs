@@ -1,6 +1,13 @@
 //! `connreap run` inside a test's namespace, and its HTTP API.
 
-use std::{fs, io::ErrorKind, net::SocketAddr, path::PathBuf, time::Duration};
+use std::{
+    fs,
+    io::ErrorKind,
+    net::SocketAddr,
+    path::PathBuf,
+    process::{Command, ExitStatus},
+    time::Duration,
+};
 
 use serde_json::Value;
 
@@ -27,9 +34,21 @@ impl Agent {
     /// /healthz answers 200 (BPF loaded, first scan done). Panics with its stderr if it exits
     /// or never gets there.
     pub fn start(ns: &NetNs, dir: &TempDir, config: &Config) -> Agent {
+        Agent::start_with(ns, dir, config, |_| {})
+    }
+
+    /// [`Agent::start`], with `setup` applied to the command first (environment, resource
+    /// limits in a `pre_exec`, ...).
+    pub fn start_with(
+        ns: &NetNs,
+        dir: &TempDir,
+        config: &Config,
+        setup: impl FnOnce(&mut Command),
+    ) -> Agent {
         let path = dir.write("connreap.toml", &config.to_string());
         let mut cmd = ns.connreap(["run", "--config"]);
         cmd.arg(&path);
+        setup(&mut cmd);
         let mut agent = Agent {
             child: Child::spawn(&mut cmd, "connreap run"),
             ns: ns.name().to_string(),
@@ -54,6 +73,21 @@ impl Agent {
 
     pub fn pid(&self) -> u32 {
         self.child.pid()
+    }
+
+    /// Send `signal` (e.g. `libc::SIGTERM`) to the agent.
+    pub fn signal(&self, signal: i32) {
+        self.child.signal(signal);
+    }
+
+    /// Wait up to `timeout` for the agent to exit: `Some(status)` once it has.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        self.child.wait_timeout(timeout)
+    }
+
+    /// The agent's API address (inside its namespace).
+    pub fn api(&self) -> SocketAddr {
+        self.api
     }
 
     /// SIGKILL: the agent dies without any cleanup, as in a crash.

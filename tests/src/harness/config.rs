@@ -133,6 +133,7 @@ max_per_round = 8
 #[derive(Debug, Clone)]
 pub struct Config {
     audit: PathBuf,
+    scan_interval: String,
     host: Option<String>,
     token_file: Option<PathBuf>,
     detect: Vec<String>,
@@ -151,6 +152,7 @@ impl Config {
     pub fn new(dir: &TempDir) -> Config {
         Config {
             audit: dir.path("audit.jsonl"),
+            scan_interval: "1s".to_string(),
             host: None,
             token_file: None,
             detect: Vec::new(),
@@ -185,6 +187,18 @@ impl Config {
     /// The audit log (`reclaim.audit_log`).
     pub fn audit(&self) -> &Path {
         &self.audit
+    }
+
+    /// Puts the audit log (`reclaim.audit_log`) at `path` instead of the test's directory.
+    pub fn audit_log(mut self, path: &Path) -> Config {
+        self.audit = path.to_path_buf();
+        self
+    }
+
+    /// `agent.scan_interval` (default `"1s"`, see [`super::SCAN`]).
+    pub fn scan_interval(mut self, interval: &str) -> Config {
+        self.scan_interval = interval.to_string();
+        self
     }
 
     /// Lines for `[detect]`, e.g. `close_wait_threshold = 4` (several separated by newlines).
@@ -251,7 +265,11 @@ impl Config {
 
 impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        writeln!(f, "[agent]\nlisten = \"{API}\"\nscan_interval = \"1s\"")?;
+        writeln!(
+            f,
+            "[agent]\nlisten = \"{API}\"\nscan_interval = \"{}\"",
+            self.scan_interval
+        )?;
         if let Some(host) = &self.host {
             writeln!(f, "host = \"{host}\"")?;
         }

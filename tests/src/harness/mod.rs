@@ -26,6 +26,7 @@ mod netns;
 mod privileges;
 mod process;
 mod snapshot;
+mod tmpfs;
 
 pub use agent::Agent;
 pub use chain::{Chain, ChainAddrs};
@@ -38,6 +39,7 @@ pub use process::{
     alive, connreap_bin, peer, program, run, spawn_ready, wait_until, Child, Output, Ready,
 };
 pub use snapshot::{snapshot, sockets, summary, GroupRow, SocketRow};
+pub use tmpfs::Tmpfs;
 
 /// `s` as a socket address; panics if it is not one.
 pub fn addr(s: &str) -> std::net::SocketAddr {

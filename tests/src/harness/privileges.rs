@@ -57,9 +57,14 @@ pub fn require_privileges() -> Option<Privileged> {
         .write(true)
         .open(LOCK_FILE)
         .unwrap_or_else(|e| panic!("cannot open {LOCK_FILE}: {e}"));
+    let asked = std::time::Instant::now();
     // SAFETY: flock on a file we own; the lock is released when `lock` is closed.
     if unsafe { libc::flock(lock.as_raw_fd(), libc::LOCK_EX) } != 0 {
         panic!("flock {LOCK_FILE}: {}", std::io::Error::last_os_error());
+    }
+    // Other runs (other checkouts) hold it too: say so when a test's time went into waiting.
+    if asked.elapsed() >= std::time::Duration::from_secs(1) {
+        println!("waited {:?} for {LOCK_FILE}", asked.elapsed());
     }
     Some(Privileged { _lock: lock })
 }

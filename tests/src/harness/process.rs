@@ -241,6 +241,24 @@ impl Child {
         self.inner.try_wait().ok().flatten()
     }
 
+    /// Send `signal` (e.g. `libc::SIGTERM`) to the process; panics if it cannot be sent.
+    pub fn signal(&self, signal: i32) {
+        let pid = libc::pid_t::try_from(self.pid()).expect("pid fits pid_t");
+        // SAFETY: kill(2) on our own child, which is not reaped yet (so the pid is still ours).
+        if unsafe { libc::kill(pid, signal) } != 0 {
+            panic!(
+                "kill({pid}, {signal}) for {}: {}",
+                self.what,
+                std::io::Error::last_os_error()
+            );
+        }
+    }
+
+    /// Wait up to `timeout` for the process to exit: `Some(status)` once it has (reaped).
+    pub fn wait_timeout(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        wait_until(timeout, Duration::from_millis(10), || self.try_wait())
+    }
+
     /// Kill (SIGKILL) and reap now.
     pub fn kill(mut self) {
         self.stop();

@@ -9,7 +9,9 @@
 //!   the HTTP API serves.
 //! - `reclaim`: reclaim under policy, checked where it has effects (the relay's `/status`, a
 //!   real request through the chain, `ss`, the audit log, the API, the processes).
-//! - `safety`: faults an adversarial operator would try (issue 16) and what connreap does.
+//! - `safety`: faults reproduced for real (issue 16: a full or read-only audit filesystem, API
+//!   floods, a second daemon, SIGTERM mid-request, lying quota sources, absurd configs, pins
+//!   removed or foreign) and what connreap does about them.
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
 //!   `netns_variants`).
 //!
