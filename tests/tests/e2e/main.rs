@@ -7,6 +7,8 @@
 //! - `snapshot`: `connreap snapshot --json` against sockets made by `connreap-testpeer`.
 //! - `daemon`: `connreap run` reproducing the incidents; what a webhook receiver got and what
 //!   the HTTP API serves.
+//! - `detect`: detectors on the cases issue 18 raised (a relay hop without `port_map`,
+//!   one-sided leaks over a veth pair, process names of threaded clients).
 //! - `reclaim`: reclaim under policy, checked where it has effects (the relay's `/status`, a
 //!   real request through the chain, `ss`, the audit log, the API, the processes).
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
@@ -16,6 +18,7 @@
 //! seconds, so each test takes well under a minute even on a loaded machine.
 
 mod daemon;
+mod detect;
 mod fixtures_selftest;
 mod reclaim;
 mod snapshot;
