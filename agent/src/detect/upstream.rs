@@ -40,7 +40,8 @@ pub struct Hop<'a> {
 pub enum MatchedBy {
     /// One-to-one, each dial to the accept just before it.
     Timing,
-    /// Ages unknown: every connection on the holder's busiest inbound port.
+    /// Every connection on the holder's busiest inbound port (ages only lower bounds, or
+    /// dials further than [`MATCH_WINDOW`] from their accepts).
     Port,
 }
 
@@ -48,16 +49,28 @@ pub enum MatchedBy {
 pub struct Upstream<'a> {
     pub hops: Vec<Hop<'a>>,
     pub matched_by: Option<MatchedBy>,
+    /// Timing matches: the hop of each dial (socket address -> index in `hops`).
+    by_dial: FxHashMap<u64, usize>,
 }
 
 impl<'a> Upstream<'a> {
+    fn timed(hops: Vec<Hop<'a>>) -> Self {
+        let by_dial = hops
+            .iter()
+            .enumerate()
+            .map(|(i, h)| (h.dial.skaddr, i))
+            .collect();
+        Upstream {
+            hops,
+            matched_by: Some(MatchedBy::Timing),
+            by_dial,
+        }
+    }
+
     /// The hop carrying the quota connection dialled as `dial` (socket address), if any.
     /// Only timing matches say which stream is which.
     pub fn for_dial(&self, dial: u64) -> Option<&Hop<'a>> {
-        if self.matched_by != Some(MatchedBy::Timing) {
-            return None;
-        }
-        self.hops.iter().find(|h| h.dial.skaddr == dial)
+        self.by_dial.get(&dial).and_then(|&i| self.hops.get(i))
     }
 }
 
@@ -117,10 +130,7 @@ pub fn follow<'a>(
         .max_by_key(Vec::len)
         .unwrap_or_default();
     if enough(timed.len()) {
-        return Upstream {
-            hops: timed,
-            matched_by: Some(MatchedBy::Timing),
-        };
+        return Upstream::timed(timed);
     }
     // Without usable ages (or a dial slower than the window): the busiest port as a whole.
     match per_port.into_values().max_by_key(Vec::len) {
@@ -135,6 +145,7 @@ pub fn follow<'a>(
                 })
                 .collect(),
             matched_by: Some(MatchedBy::Port),
+            by_dial: FxHashMap::default(),
         },
         _ => Upstream::default(),
     }
