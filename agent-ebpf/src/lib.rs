@@ -123,6 +123,10 @@ pub struct KernelOffsets {
     pub sk_socket: u32,
     pub sk_ack_backlog: u32,
     pub sk_max_ack_backlog: u32,
+    /// `sk_flags` (`sock_common.skc_flags`: an unsigned long of `enum sock_flags` bits)
+    pub sk_flags: u32,
+    /// The bit of `SOCK_KEEPOPEN` in `sk_flags` (SO_KEEPALIVE set on the socket)
+    pub sock_keepopen_bit: u32,
     // struct socket / socket_alloc / inode
     pub socket_sk: u32,
     /// offsetof(socket_alloc, vfs_inode) - offsetof(socket_alloc, socket)
@@ -169,6 +173,8 @@ impl KernelOffsets {
             sk_socket: 0,
             sk_ack_backlog: 0,
             sk_max_ack_backlog: 0,
+            sk_flags: 0,
+            sock_keepopen_bit: 0,
             socket_sk: 0,
             socket_to_inode: 0,
             inode_ino: 0,
@@ -317,6 +323,8 @@ pub mod sock_flags {
     pub const SINCE_KNOWN: u8 = 2;
     /// A timewait socket's `tw_entry_ms` is valid.
     pub const TW_ENTRY: u8 = 4;
+    /// TCP keepalive is on for the socket (`SO_KEEPALIVE`: `SOCK_KEEPOPEN` in `sk_flags`).
+    pub const KEEPALIVE: u8 = 8;
 }
 
 /// One socket from the `iter/tcp` dump.
@@ -395,4 +403,4 @@ const _: () = assert!(STATE_WAYS.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 48) * STATE_WAYS);
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
-const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 31 * 4);
+const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 33 * 4);

@@ -148,8 +148,15 @@ fn full_sock(sk_number: u64, tp: *const u8, state: u8) -> FullSock {
         now32.wrapping_sub(sk_field(tp, off!(tcp_lsndtime))),
         now32.wrapping_sub(sk_field(tp, off!(tcp_rcv_tstamp))),
     ];
+    // SO_KEEPALIVE: one bit of sk_flags (the bit number is a verifier constant too).
+    let sk_flags: u64 = sk_field(tp, off!(sk_flags));
+    let keepalive = if (sk_flags >> (off!(sock_keepopen_bit) & 63)) & 1 != 0 {
+        sock_flags::KEEPALIVE
+    } else {
+        0
+    };
     let mut out = FullSock {
-        flags: sock_flags::FULL,
+        flags: sock_flags::FULL | keepalive,
         inode,
         queues,
         idle,

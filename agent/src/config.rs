@@ -106,6 +106,13 @@ pub struct DetectConfig {
     pub stuck_pair_min_idle: Duration,
     /// Stuck pairs per (client process, server process, service port) that make a finding.
     pub stuck_pair_threshold: usize,
+    /// An ESTABLISHED socket whose other end is not on this host, queues empty, idle at least
+    /// this long, counts toward idle_established_buildup...
+    #[serde(with = "humantime_serde")]
+    pub idle_established_min_idle: Duration,
+    /// ...and this many per (process, service port) make a finding. Both defaults sit above
+    /// what healthy keep-alive pools hold idle (see connreap.example.toml).
+    pub idle_established_threshold: usize,
     /// used/limit at or above this is "saturated".
     pub quota_saturation: f64,
     /// A connection counted against a saturated quota is "idle" after this long without data.
@@ -124,6 +131,8 @@ impl Default for DetectConfig {
             close_wait_threshold: 16,
             stuck_pair_min_idle: Duration::from_secs(300),
             stuck_pair_threshold: 16,
+            idle_established_min_idle: Duration::from_secs(600),
+            idle_established_threshold: 64,
             quota_saturation: 0.9,
             quota_idle_min: Duration::from_secs(60),
             storm_rate: 50.0,

@@ -150,7 +150,7 @@ impl ScanLoop {
                     comm: k.comm,
                     port: k.port,
                 };
-                storm.record_connects(key, n);
+                storm.record_connects(key, &k.thread, n);
             }
         }
         storm.close_window(window, &self.cfg.detect);

@@ -265,6 +265,8 @@ pub struct Socket {
     pub state: TcpState,
     pub direction: Direction,
     pub age_exact: bool,
+    /// TCP keepalive is on (`SO_KEEPALIVE`): a peer that vanished is found out eventually.
+    pub keepalive: bool,
 }
 
 fn opt_ms(ms: u64) -> Option<Duration> {
@@ -294,6 +296,7 @@ impl Socket {
             state,
             direction: Direction::Outbound,
             age_exact: true,
+            keepalive: false,
         }
     }
     pub fn pid(&self) -> Option<u32> {

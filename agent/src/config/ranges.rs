@@ -50,6 +50,16 @@ pub(super) const STUCK_PAIR_MIN_IDLE: Range<Duration> = Range {
     min: secs(0),
     max: secs(30 * DAY),
 };
+pub(super) const IDLE_ESTABLISHED_MIN_IDLE: Range<Duration> = Range {
+    key: "detect.idle_established_min_idle",
+    min: secs(0),
+    max: secs(30 * DAY),
+};
+pub(super) const IDLE_ESTABLISHED_THRESHOLD: Range<u64> = Range {
+    key: "detect.idle_established_threshold",
+    min: 1,
+    max: 1_000_000,
+};
 pub(super) const STUCK_PAIR_THRESHOLD: Range<u64> = Range {
     key: "detect.stuck_pair_threshold",
     min: 1,
@@ -220,6 +230,8 @@ pub(super) fn all() -> Vec<(&'static str, String)> {
         d(&CLOSE_WAIT_MIN_AGE),
         d(&CLOSE_WAIT_THRESHOLD),
         d(&STUCK_PAIR_MIN_IDLE),
+        d(&IDLE_ESTABLISHED_MIN_IDLE),
+        d(&IDLE_ESTABLISHED_THRESHOLD),
         d(&STUCK_PAIR_THRESHOLD),
         d(&QUOTA_IDLE_MIN),
         d(&STORM_RATE),

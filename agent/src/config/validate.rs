@@ -28,6 +28,8 @@ pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
     ranges::CLOSE_WAIT_THRESHOLD.top(count(d.close_wait_threshold))?;
     ranges::STUCK_PAIR_MIN_IDLE.top(d.stuck_pair_min_idle)?;
     ranges::STUCK_PAIR_THRESHOLD.top(count(d.stuck_pair_threshold))?;
+    ranges::IDLE_ESTABLISHED_MIN_IDLE.top(d.idle_established_min_idle)?;
+    ranges::IDLE_ESTABLISHED_THRESHOLD.top(count(d.idle_established_threshold))?;
     // A ratio: (0, 1]. NaN fails both comparisons.
     if !(d.quota_saturation > 0.0 && d.quota_saturation <= 1.0) {
         return Err(invalid(

@@ -1,16 +1,20 @@
 //! Leak detectors: pure functions over the socket table, quota readings and connection-rate
 //! windows. Each returns findings; `run` runs them all.
 mod close_wait;
+mod idle;
 mod pairs;
 mod quota;
 mod storm;
+mod upstream;
 
 use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+pub use idle::PeerCount;
 pub use pairs::local_pairs;
 pub use storm::{ConnKey, StormTracker};
+pub use upstream::UpstreamOwner;
 
 use crate::{
     config::{DetectConfig, QuotaConfig},
@@ -27,6 +31,7 @@ pub enum Kind {
     QuotaExhaustedByLeak,
     ReconnectStorm,
     QuotaSourceUnavailable,
+    IdleEstablishedBuildup,
 }
 
 impl Kind {
@@ -37,6 +42,7 @@ impl Kind {
             Kind::QuotaExhaustedByLeak => "quota_exhausted_by_leak",
             Kind::ReconnectStorm => "reconnect_storm",
             Kind::QuotaSourceUnavailable => "quota_source_unavailable",
+            Kind::IdleEstablishedBuildup => "idle_established_buildup",
         }
     }
     /// The `severity` label a kind's alerts carry unless `[alerts.severity]` says otherwise:
@@ -44,17 +50,19 @@ impl Kind {
     pub fn default_severity(self) -> &'static str {
         match self {
             Kind::QuotaExhaustedByLeak | Kind::ReconnectStorm => "critical",
-            Kind::CloseWaitBuildup | Kind::StuckEstablishedPairs | Kind::QuotaSourceUnavailable => {
-                "warning"
-            }
+            Kind::CloseWaitBuildup
+            | Kind::StuckEstablishedPairs
+            | Kind::QuotaSourceUnavailable
+            | Kind::IdleEstablishedBuildup => "warning",
         }
     }
-    pub const ALL: [Kind; 5] = [
+    pub const ALL: [Kind; 6] = [
         Kind::CloseWaitBuildup,
         Kind::StuckEstablishedPairs,
         Kind::QuotaExhaustedByLeak,
         Kind::ReconnectStorm,
         Kind::QuotaSourceUnavailable,
+        Kind::IdleEstablishedBuildup,
     ];
 }
 
@@ -140,6 +148,16 @@ pub struct Finding {
     /// quota_source_unavailable: why.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// idle_established_buildup: whether TCP keepalive is on for every one of the sockets.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keepalive: Option<bool>,
+    /// idle_established_buildup: the remote addresses, most sockets first (a few).
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub peers: Vec<PeerCount>,
+    /// quota_exhausted_by_leak: local processes feeding the quota's holder (a relay), one hop
+    /// upstream, when no port_map names the port carrying its streams.
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    pub upstream: Vec<UpstreamOwner>,
 }
 
 impl Finding {
@@ -159,6 +177,9 @@ impl Finding {
             growth: None,
             rate_per_sec: None,
             reason: None,
+            keepalive: None,
+            peers: Vec::new(),
+            upstream: Vec::new(),
         }
     }
 }
@@ -251,6 +272,7 @@ pub struct Input<'a> {
 pub fn run(input: &Input<'_>, memory: &mut Memory) -> Vec<Finding> {
     let mut out = close_wait::detect(input.table, input.cfg, &mut memory.close_wait_counts);
     out.extend(pairs::detect(input.table, input.cfg));
+    out.extend(idle::detect(input.table, input.cfg));
     out.extend(quota::detect(input));
     out.extend(input.storm.findings(input.cfg));
     out.extend(quota::unavailable(input.quotas));

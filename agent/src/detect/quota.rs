@@ -4,7 +4,9 @@ use std::time::Duration;
 use rustc_hash::FxHashMap;
 
 use super::{
-    describe_owners, local_pairs, oldest_briefs, processes, Finding, Input, Kind, QuotaRef, Verdict,
+    describe_owners, local_pairs, oldest_briefs, processes,
+    upstream::{self, Upstream},
+    Finding, Input, Kind, QuotaRef, Verdict,
 };
 use crate::{
     config::QuotaConfig,
@@ -68,12 +70,19 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 continue;
             }
             let conns = connections(qcfg, entry, input.table);
+            let quiet = |s: &Socket| {
+                s.state == TcpState::CloseWait || s.idle.is_some_and(|i| i >= cfg.quota_idle_min)
+            };
+            let up = upstream_of(qcfg, entry, &conns, input.table, &other_end);
+            // A connection fed through a relay hop is idle only if the hop is idle too.
             let idle: Vec<&Socket> = conns
                 .iter()
                 .copied()
                 .filter(|s| {
-                    s.state == TcpState::CloseWait
-                        || s.idle.is_some_and(|i| i >= cfg.quota_idle_min)
+                    quiet(s)
+                        && dial_of(s, &other_end)
+                            .and_then(|d| up.for_dial(d.skaddr))
+                            .is_none_or(|h| quiet(h.accepted) && quiet(h.origin))
                 })
                 .collect();
             let (verdict, known_in) = verdict(&conns, idle.len(), cfg.quota_idle_min);
@@ -82,10 +91,14 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 .flat_map(|s| [Some(*s), other_end.get(&s.skaddr).copied()])
                 .flatten()
                 .collect();
-            let procs = processes(ends.iter().copied());
+            let feeders = upstream::owners(&up, quiet);
+            let procs = processes(ends.iter().copied().chain(up.hops.iter().map(|h| h.origin)));
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
-            let summary = summary(status, qcfg, entry, &conns, &idle, &other_end, cfg);
-            let summary = summary + &verdict_text(verdict, known_in, cfg.quota_idle_min);
+            let mut summary = summary(status, qcfg, entry, &conns, &idle, &other_end, cfg);
+            if !feeders.is_empty() {
+                summary.push_str(&format!("; {}", upstream::describe(&feeders)));
+            }
+            summary.push_str(&verdict_text(verdict, known_in, cfg.quota_idle_min));
             let mut f = Finding::new(
                 Kind::QuotaExhaustedByLeak,
                 &format!("{}:{}", status.name, entry.port),
@@ -100,13 +113,43 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 used: entry.used,
                 limit: entry.limit,
             });
-            f.sockets = oldest_briefs(ends.iter().copied());
+            f.sockets = oldest_briefs(
+                ends.iter()
+                    .copied()
+                    .chain(up.hops.iter().flat_map(|h| [h.accepted, h.origin])),
+            );
+            f.upstream = feeders;
             f.verdict = Some(verdict);
             f.verdict_known_in_secs = known_in.map(round_secs);
             out.push(f);
         }
     }
     out
+}
+
+/// The quota holder's end of connection `s`: its other end when `s` was accepted (on the
+/// quota's port), else `s` itself.
+fn dial_of<'a>(s: &'a Socket, other_end: &FxHashMap<u64, &'a Socket>) -> Option<&'a Socket> {
+    match s.direction {
+        Direction::Inbound => other_end.get(&s.skaddr).copied(),
+        _ => Some(s),
+    }
+}
+
+/// One hop upstream of an HTTP quota's connections, unless a `port_map` already says which
+/// local port carries them (static sources name their process themselves).
+fn upstream_of<'a>(
+    qcfg: &QuotaConfig,
+    entry: &QuotaEntry,
+    conns: &[&'a Socket],
+    table: &'a [Socket],
+    other_end: &FxHashMap<u64, &'a Socket>,
+) -> Upstream<'a> {
+    if !qcfg.is_http() || qcfg.socket_port(entry.port) != entry.port {
+        return Upstream::default();
+    }
+    let dials: Vec<&Socket> = conns.iter().filter_map(|s| dial_of(s, other_end)).collect();
+    upstream::follow(&dials, table, other_end)
 }
 
 /// The finding's summary: the quota reading, how many of its connections are idle, who holds

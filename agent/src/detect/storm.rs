@@ -1,5 +1,7 @@
 //! reconnect_storm: new outbound connections per second per (process, peer service port),
-//! from the kernel's transition events, window by window (one window per scan).
+//! from the kernel's transition events, window by window (one window per scan). The process is
+//! named as `snapshot` names it (its thread-group leader's comm); the connecting threads'
+//! names, where they differ, are a detail of the summary.
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
     time::Duration,
@@ -11,9 +13,13 @@ use crate::config::DetectConfig;
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConnKey {
     pub pid: u32,
+    /// The process's name.
     pub comm: String,
     pub port: u16,
 }
+
+/// At most this many thread names are kept per key.
+const MAX_THREADS: usize = 4;
 
 #[derive(Debug, Default)]
 pub struct StormTracker {
@@ -21,17 +27,26 @@ pub struct StormTracker {
     /// Rates of the last windows, newest last.
     history: BTreeMap<ConnKey, VecDeque<f64>>,
     firing: BTreeSet<ConnKey>,
+    /// Names of the threads that made the connections, where not the process's own.
+    threads: BTreeMap<ConnKey, BTreeSet<String>>,
 }
 
 impl StormTracker {
     /// One active open (CLOSE -> SYN_SENT, in the connecting process's context).
     #[cfg(test)]
     pub fn record_connect(&mut self, key: ConnKey) {
-        self.record_connects(key, 1);
+        let thread = key.comm.clone();
+        self.record_connects(key, &thread, 1);
     }
 
-    /// `n` active opens of one key.
-    pub fn record_connects(&mut self, key: ConnKey, n: u64) {
+    /// `n` active opens of one key, made by a thread named `thread`.
+    pub fn record_connects(&mut self, key: ConnKey, thread: &str, n: u64) {
+        if thread != key.comm {
+            let names = self.threads.entry(key.clone()).or_default();
+            if names.len() < MAX_THREADS {
+                names.insert(thread.to_string());
+            }
+        }
         *self.current.entry(key).or_default() += n;
     }
 
@@ -56,6 +71,7 @@ impl StormTracker {
             }
             if h.iter().all(|r| *r == 0.0) {
                 self.history.remove(&key);
+                self.threads.remove(&key);
             }
         }
         self.current.clear();
@@ -68,11 +84,19 @@ impl StormTracker {
                 let rates: Vec<f64> = self.history.get(key).map(|h| h.iter().copied().collect()).unwrap_or_default();
                 let rate = rates.last().copied().unwrap_or(0.0);
                 let shown: Vec<String> = rates.iter().map(|r| format!("{r:.0}")).collect();
+                let threads = match self.threads.get(key) {
+                    Some(t) if !t.is_empty() => format!(
+                        "; connecting thread{}: {}",
+                        if t.len() == 1 { "" } else { "s" },
+                        t.iter().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                    _ => String::new(),
+                };
                 let mut f = Finding::new(
                     Kind::ReconnectStorm,
                     &format!("{}:{}", key.comm, key.port),
                     format!(
-                        "{} pid {} opens {rate:.0} new connections/s to port {} (threshold {:.0}/s; last windows {}/s)",
+                        "{} pid {} opens {rate:.0} new connections/s to port {} (threshold {:.0}/s; last windows {}/s){threads}",
                         key.comm, key.pid, key.port, cfg.storm_rate, shown.join(" → ")
                     ),
                 );
@@ -132,6 +156,31 @@ mod tests {
         );
         window(&mut t, 10, &cfg);
         assert!(t.findings(&cfg).is_empty(), "resolved below threshold");
+    }
+
+    #[test]
+    fn names_the_process_with_its_connecting_threads_as_a_detail() {
+        let cfg = DetectConfig::default();
+        let mut t = StormTracker::default();
+        for n in [60, 80, 120] {
+            t.record_connects(key(), "storm-worker", n);
+            t.record_connects(key(), "client", 1);
+            t.close_window(Duration::from_secs(1), &cfg);
+        }
+        let f = t.findings(&cfg);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].processes[0].comm, "client");
+        assert!(
+            f[0].summary
+                .starts_with("client pid 5 opens 121 new connections/s to port 443"),
+            "{}",
+            f[0].summary
+        );
+        assert!(
+            f[0].summary.ends_with("; connecting thread: storm-worker"),
+            "{}",
+            f[0].summary
+        );
     }
 
     #[test]

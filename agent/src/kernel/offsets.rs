@@ -25,6 +25,8 @@ pub enum OffsetError {
     Unaligned { strukt: String, member: String },
     #[error("kernel BTF has no function `{0}` (kfunc missing: too old a kernel?)")]
     NoFunc(String),
+    #[error("kernel BTF: enum `{enumeration}` has no value `{value}`")]
+    NoEnumValue { enumeration: String, value: String },
 }
 
 /// The running kernel's BTF, parsed once for everything the loaders need from it.
@@ -49,6 +51,27 @@ impl Resolver {
             .into_iter()
             .find(|id| matches!(self.btf.resolve_type_by_id(*id), Ok(Type::Func(_))))
             .ok_or_else(|| OffsetError::NoFunc(name.into()))
+    }
+
+    /// The value of `value` in `enum enumeration`.
+    fn enum_value(&self, enumeration: &str, value: &str) -> Result<u32, OffsetError> {
+        let types = self
+            .btf
+            .resolve_types_by_name(enumeration)
+            .unwrap_or_default();
+        types
+            .iter()
+            .find_map(|t| match t {
+                Type::Enum(e) => e
+                    .members
+                    .iter()
+                    .find_map(|m| (self.btf.resolve_name(m).ok()? == value).then(|| m.val())),
+                _ => None,
+            })
+            .ok_or_else(|| OffsetError::NoEnumValue {
+                enumeration: enumeration.into(),
+                value: value.into(),
+            })
     }
 
     fn structure(&self, name: &str) -> Result<btf_rs::Struct, OffsetError> {
@@ -145,6 +168,9 @@ impl Resolver {
             sk_socket: r.offset("sock", "sk_socket")?,
             sk_ack_backlog: r.offset("sock", "sk_ack_backlog")?,
             sk_max_ack_backlog: r.offset("sock", "sk_max_ack_backlog")?,
+            // `sk_flags` is `#define sk_flags __sk_common.skc_flags` (sock_common is at 0).
+            sk_flags: r.offset("sock_common", "skc_flags")?,
+            sock_keepopen_bit: r.enum_value("sock_flags", "SOCK_KEEPOPEN")?,
             socket_sk: r.offset("socket", "sk")?,
             socket_to_inode: inode_in_alloc.wrapping_sub(socket_in_alloc),
             inode_ino: r.offset("inode", "i_ino")?,
@@ -188,5 +214,8 @@ mod tests {
         assert!(o.tcp_rcv_nxt > o.icsk_lrcvtime);
         assert!(o.task_comm > o.task_tgid);
         assert!(o.socket_to_inode > 0);
+        // enum sock_flags { SOCK_DEAD, SOCK_DONE, SOCK_URGINLINE, SOCK_KEEPOPEN, ... }
+        assert_eq!(o.sock_keepopen_bit, 3);
+        assert!(o.sk_flags > 0);
     }
 }

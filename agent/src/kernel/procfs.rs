@@ -1,6 +1,6 @@
 //! What a scan reads about the host outside the BPF programs: the namespace's ephemeral port
-//! range, a process's systemd unit (both from /proc), and the monotonic clock that first-seen
-//! bounds are kept in.
+//! range, a process's systemd unit and command name (from /proc), and the monotonic clock that
+//! first-seen bounds are kept in.
 use std::{fs, ops::RangeInclusive};
 
 /// net.ipv4.ip_local_port_range of this network namespace, if readable.
@@ -16,6 +16,16 @@ pub fn unit_of(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/cgroup"))
         .ok()
         .and_then(|c| unit_from_cgroup(&c))
+}
+
+/// The command name of process `pid` (its thread-group leader's, as the owner dump reports
+/// it); None when it has gone.
+pub fn process_comm(pid: u32) -> Option<String> {
+    let mut comm = fs::read_to_string(format!("/proc/{pid}/comm")).ok()?;
+    if comm.ends_with('\n') {
+        comm.pop();
+    }
+    Some(comm)
 }
 
 /// CLOCK_MONOTONIC in ns.
@@ -69,6 +79,13 @@ mod tests {
         assert_eq!(parse_port_range("10000\t20000\n"), Some(10000..=20000));
         assert_eq!(parse_port_range("20000\t10000\n"), None);
         assert_eq!(parse_port_range("garbage"), None);
+    }
+
+    #[test]
+    fn reads_process_names() {
+        let me = process_comm(std::process::id()).expect("own comm");
+        assert!(!me.is_empty() && !me.ends_with('\n'), "{me:?}");
+        assert_eq!(process_comm(u32::MAX), None);
     }
 
     #[test]

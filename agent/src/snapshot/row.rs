@@ -63,6 +63,7 @@ fn fields<W: RowWriter>(s: &Socket, w: &mut W) -> Result<(), W::Error> {
     w.secs(key!("last_send_secs"), s.last_send())?;
     w.int(key!("rx_queue"), s.rx_queue.into())?;
     w.int(key!("tx_queue"), s.tx_queue.into())?;
+    w.flag(key!("keepalive"), s.keepalive)?;
     w.int(key!("uid"), s.uid.into())?;
     w.word(key!("direction"), s.direction.as_str())?;
     w.int(key!("service_port"), s.service_port.into())?;
@@ -266,6 +267,7 @@ mod tests {
             s.uid = 65534;
             s.direction = [Direction::Inbound, Direction::Outbound, Direction::Listen][i % 3];
             s.service_port = 8080;
+            s.keepalive = i % 2 == 1;
             rows.push(s.clone());
             s.owner = Some(Arc::new(Owner {
                 pid: 77 + i as u32,
@@ -307,7 +309,7 @@ mod tests {
         s.shared_with = vec![2].into_boxed_slice();
         let row = serde_json::to_value(&s).unwrap();
         let keys: Vec<&String> = row.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 20);
+        assert_eq!(keys.len(), 21);
         for k in keys {
             assert!(
                 k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),

@@ -216,6 +216,7 @@ impl<'a> TableBuilder<'a> {
         sock.rx_queue = s.rx_queue;
         sock.tx_queue = s.tx_queue;
         sock.uid = s.uid;
+        sock.keepalive = s.flags & sock_flags::KEEPALIVE != 0;
         self.table.push(sock);
     }
 

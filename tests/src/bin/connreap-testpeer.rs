@@ -14,19 +14,22 @@ use socket2::{Domain, Socket, Type};
 
 const USAGE: &str = "\
 usage: connreap-testpeer close-wait --addr IP:PORT --count N
-       connreap-testpeer listen --addr IP:PORT [--chatty-ms M] [--close-after-ms M]
+       connreap-testpeer listen --addr IP:PORT [--chatty-ms M] [--close-after-ms M] [--keepalive]
        connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M]
        connreap-testpeer storm --addr IP:PORT [--start-rate R] [--max-rate R] [--duration-ms D]
+                         [--thread-name NAME]
 
 close-wait  listen on ADDR, connect N clients, close the accepted side: N clients in CLOSE_WAIT
 listen      accept and hold every connection on ADDR
 connect     hold N connections to ADDR
 storm       connect and close at once, in a loop: START-RATE connections/s (default 20),
             doubling every second up to MAX-RATE (default 320), for DURATION ms (default 10000);
-            prints `done connects=N failed=F` afterwards and sleeps until killed
+            prints `done connects=N failed=F` afterwards and sleeps until killed; the
+            connecting thread is named NAME when given (a thread pool's worker)
 --chatty-ms write one byte every M ms on each connection and read whatever arrives
 --close-after-ms  (listen) close each accepted connection M ms after accepting it, like a
             server's keep-alive timeout (0: at once)
+--keepalive (listen) turn TCP keepalive on (SO_KEEPALIVE) for each accepted connection
 
 IPv6 addresses go in brackets ([::1]:7000). A v4-mapped address ([::ffff:127.0.0.1]:7000)
 listens dual-stack on [::]:PORT and connects from AF_INET6 sockets, like a JVM.
@@ -38,6 +41,7 @@ struct Args {
     count: usize,
     chatty: Option<Duration>,
     close_after: Option<Duration>,
+    keepalive: bool,
     storm: StormArgs,
 }
 
@@ -46,6 +50,8 @@ struct StormArgs {
     start_rate: u64,
     max_rate: u64,
     duration: Duration,
+    /// The connecting thread's name (the kernel keeps 15 characters).
+    thread_name: Option<String>,
 }
 
 fn parse_args(argv: &[String]) -> Result<Args, String> {
@@ -58,10 +64,16 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         start_rate: 20,
         max_rate: 320,
         duration: Duration::from_secs(10),
+        thread_name: None,
     };
     let mut storm_flags = false;
+    let mut keepalive = false;
     let mut rest = argv[1..].iter();
     while let Some(flag) = rest.next() {
+        if flag == "--keepalive" {
+            keepalive = true;
+            continue;
+        }
         let value = rest.next().ok_or_else(|| format!("{flag} needs a value"))?;
         let bad = |e: &dyn std::fmt::Display| format!("invalid {flag} `{value}`: {e}");
         match flag.as_str() {
@@ -77,6 +89,10 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
             "--close-after-ms" => {
                 let ms = value.parse::<u64>().map_err(|e| bad(&e))?;
                 close_after = Some(Duration::from_millis(ms));
+            }
+            "--thread-name" => {
+                storm.thread_name = Some(value.clone());
+                storm_flags = true;
             }
             "--start-rate" | "--max-rate" | "--duration-ms" => {
                 let v = value.parse::<u64>().map_err(|e| bad(&e))?;
@@ -109,8 +125,13 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
     if mode != "listen" && close_after.is_some() {
         return Err("only listen takes --close-after-ms".into());
     }
+    if mode != "listen" && keepalive {
+        return Err("only listen takes --keepalive".into());
+    }
     if mode != "storm" && storm_flags {
-        return Err("--start-rate, --max-rate and --duration-ms are for storm only".into());
+        return Err(
+            "--start-rate, --max-rate, --duration-ms and --thread-name are for storm only".into(),
+        );
     }
     if storm.max_rate < storm.start_rate {
         return Err("--max-rate must be at least --start-rate".into());
@@ -121,6 +142,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         count,
         chatty,
         close_after,
+        keepalive,
         storm,
     })
 }
@@ -237,7 +259,13 @@ fn listen_and_hold(args: &Args) -> Result<(), String> {
     let port = dial_addr(args.addr, &listener)?.port();
     ready(&[("port", port.to_string())]);
     loop {
-        match listener.accept() {
+        let accepted = listener.accept().and_then(|(conn, peer)| {
+            if args.keepalive {
+                socket2::SockRef::from(&conn).set_keepalive(true)?;
+            }
+            Ok((conn, peer))
+        });
+        match accepted {
             Ok((conn, _)) if args.close_after == Some(Duration::ZERO) => drop(conn),
             Ok((conn, _)) => match args.close_after {
                 // The server side of an idle keep-alive timing out: close (FIN) after a while,
@@ -280,6 +308,7 @@ fn storm(args: &Args) -> Result<(), String> {
         start_rate,
         max_rate,
         duration,
+        ref thread_name,
     } = args.storm;
     ready(&[
         ("port", args.addr.port().to_string()),
@@ -288,11 +317,16 @@ fn storm(args: &Args) -> Result<(), String> {
     ]);
     let target = args.addr;
     // From a second thread (whose id is not the pid), like the thread pools of real clients:
-    // the storm must be charged to the process.
-    let (connects, failed) =
-        thread::spawn(move || storm_loop(target, start_rate, max_rate, duration))
-            .join()
-            .map_err(|_| "the storm thread panicked".to_string())?;
+    // the storm must be charged to the process, under the process's name.
+    let mut builder = thread::Builder::new();
+    if let Some(name) = thread_name {
+        builder = builder.name(name.clone());
+    }
+    let (connects, failed) = builder
+        .spawn(move || storm_loop(target, start_rate, max_rate, duration))
+        .map_err(|e| format!("cannot start the storm thread: {e}"))?
+        .join()
+        .map_err(|_| "the storm thread panicked".to_string())?;
     let mut out = std::io::stdout().lock();
     let _ = writeln!(out, "done connects={connects} failed={failed}");
     let _ = out.flush();

@@ -7,6 +7,8 @@
 //! - `snapshot`: `connreap snapshot --json` against sockets made by `connreap-testpeer`.
 //! - `daemon`: `connreap run` reproducing the incidents; what a webhook receiver got and what
 //!   the HTTP API serves.
+//! - `detect`: detectors on the cases issue 18 raised (a relay hop without `port_map`,
+//!   one-sided leaks over a veth pair, process names of threaded clients).
 //! - `reclaim`: reclaim under policy, checked where it has effects (the relay's `/status`, a
 //!   real request through the chain, `ss`, the audit log, the API, the processes).
 //! - `safety`: faults reproduced for real (issue 16: a full or read-only audit filesystem, API
@@ -20,6 +22,7 @@
 
 mod alerting;
 mod daemon;
+mod detect;
 mod fixtures_selftest;
 mod reclaim;
 mod safety;

@@ -52,7 +52,7 @@ fn merges_owner_age_idle_and_service_port() {
     let mut listen = rec(1, tcp_state::LISTEN, 8080, 0);
     listen.flags = sock_flags::FULL;
     let mut accepted = rec(2, tcp_state::CLOSE_WAIT, 8080, 40000);
-    accepted.flags |= sock_flags::SINCE_KNOWN;
+    accepted.flags |= sock_flags::SINCE_KNOWN | sock_flags::KEEPALIVE;
     accepted.state_age_jiffies = 15_000; // 60 s at HZ=250
     accepted.last_rcv_jiffies = 2500; // 10 s at HZ=250
     accepted.last_snd_jiffies = 500; // 2 s
@@ -84,7 +84,9 @@ fn merges_owner_age_idle_and_service_port() {
     );
     assert_eq!(cw.fd, 3);
     assert_eq!(&*cw.shared_with, [99]);
+    assert!(cw.keepalive, "SO_KEEPALIVE from the record's flags");
     let fw = t.iter().find(|s| s.state == TcpState::FinWait2).unwrap();
+    assert!(!fw.keepalive);
     assert_eq!((fw.direction, fw.service_port), (Direction::Outbound, 8080));
     assert!(fw.owner.is_none());
     assert!(!fw.age_exact);
@@ -113,11 +115,11 @@ fn serializes_the_documented_fields() {
     );
     assert_eq!(
         serde_json::to_string(&t[1]).unwrap(),
-        r#"{"inode":1002,"cookie":null,"local":"127.0.0.1:8080","peer":"127.0.0.1:40000","state":"CLOSE_WAIT","age_secs":60.0,"age_exact":true,"idle_secs":2.0,"last_recv_secs":10.0,"last_send_secs":2.0,"rx_queue":0,"tx_queue":0,"uid":0,"direction":"inbound","service_port":8080,"pid":77,"comm":"java","fd":3,"unit":"gw.service","shared_with":[99]}"#
+        r#"{"inode":1002,"cookie":null,"local":"127.0.0.1:8080","peer":"127.0.0.1:40000","state":"CLOSE_WAIT","age_secs":60.0,"age_exact":true,"idle_secs":2.0,"last_recv_secs":10.0,"last_send_secs":2.0,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"inbound","service_port":8080,"pid":77,"comm":"java","fd":3,"unit":"gw.service","shared_with":[99]}"#
     );
     assert_eq!(
         serde_json::to_string(&t[2]).unwrap(),
-        r#"{"inode":1003,"cookie":42,"local":"127.0.0.1:40001","peer":"127.0.0.1:8080","state":"TIME_WAIT","age_secs":0.004,"age_exact":true,"idle_secs":null,"last_recv_secs":null,"last_send_secs":null,"rx_queue":0,"tx_queue":0,"uid":0,"direction":"outbound","service_port":8080}"#
+        r#"{"inode":1003,"cookie":42,"local":"127.0.0.1:40001","peer":"127.0.0.1:8080","state":"TIME_WAIT","age_secs":0.004,"age_exact":true,"idle_secs":null,"last_recv_secs":null,"last_send_secs":null,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"outbound","service_port":8080}"#
     );
 }
 
