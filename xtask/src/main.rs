@@ -2,7 +2,10 @@
 //! bench). Every command that needs the BPF toolchain first checks it and installs what is
 //! missing, saying what it installs.
 mod bench;
+mod debtest;
+mod dist;
 mod setup;
+mod shipcheck;
 
 use std::{
     path::{Path, PathBuf},
@@ -41,6 +44,11 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The .deb (target/dist/deb/): BPF object, release agent, man pages, completions, conffile.
+    Dist,
+    /// What ships: the unit's security score, the Kubernetes manifests, and (root) the .deb
+    /// installed, used and purged. All three without flags.
+    ShipCheck(shipcheck::Args),
     /// Benchmarks; writes BENCHMARKS.md.
     Bench(bench::BenchArgs),
     /// Load generators the bench re-executes (internal).
@@ -147,16 +155,13 @@ fn verify_unit() -> Result<()> {
         return Ok(());
     }
     let unit = std::fs::read_to_string(root().join("systemd/connreap.service"))?;
-    let unit = unit.replace(
-        "/usr/local/bin/connreap",
-        &agent_bin().display().to_string(),
-    );
+    let unit = unit.replace("/usr/bin/connreap", &agent_bin().display().to_string());
     let dir = std::env::temp_dir().join(format!("connreap-unit-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("connreap.service");
     std::fs::write(&path, unit)?;
     let out = Command::new("systemd-analyze")
-        .arg("verify")
+        .args(["verify", "--man=no"])
         .arg(&path)
         .output()?;
     let _ = std::fs::remove_dir_all(&dir);
@@ -193,6 +198,8 @@ fn main() -> Result<()> {
                 "xtask",
             ]))?;
             verify_unit()?;
+            shipcheck::security()?;
+            shipcheck::manifests()?;
             if unit_only {
                 return Ok(());
             }
@@ -203,11 +210,15 @@ fn main() -> Result<()> {
                 .args(&args)
                 .env("CONNREAP_BIN", agent_bin());
             run(&mut cmd)?;
+            // The .deb installed, used, reinstalled and purged on this machine.
+            debtest::run(&dist::build()?)?;
             // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
             // under a minute) that proves `cargo xtask bench` still works.
             let exe = std::env::current_exe()?;
             run(Command::new(exe).args(["bench", "--smoke", "--no-build", "--wait-quiet", "0"]))
         }
+        Cmd::Dist => dist::build().map(|_| ()),
+        Cmd::ShipCheck(args) => shipcheck::check(args),
         Cmd::Bench(args) => bench::run(args),
         Cmd::BenchWorker(args) => bench::worker(args),
     }
