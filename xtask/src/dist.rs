@@ -127,8 +127,9 @@ pub fn commented_conffile(example: &str) -> String {
         "# connreap configuration (/etc/connreap/connreap.toml). Every key is commented out and\n\
          # shown with its built-in default: uncomment and change what you need, check with\n\
          #   connreap check-config /etc/connreap/connreap.toml\n\
-         # then `systemctl restart connreap`. The same file with comments on every key:\n\
-         # /usr/share/doc/connreap/examples/connreap.example.toml; see man connreap-run(1).\n\n",
+         # then `systemctl restart connreap` (raise the unit's WatchdogSec with scan_interval:\n\
+         # it must stay at least twice as long). The same settings, not commented out:\n\
+         # /usr/share/doc/connreap/examples/connreap.example.toml.\n\n",
     ) + &commented_keys(example)
 }
 
