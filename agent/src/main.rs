@@ -4,6 +4,7 @@ mod api;
 mod config;
 mod daemon;
 mod detect;
+mod docs;
 mod engine;
 mod kernel;
 mod metrics;
@@ -25,7 +26,7 @@ use std::{process::ExitCode, time::Duration};
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "connreap", version, about)]
+#[command(name = "connreap", version = docs::VERSION, long_version = docs::LONG_VERSION, about)]
 struct Cli {
     /// More logging; on load failures, include the BPF verifier log.
     #[arg(short, long, global = true)]
@@ -41,6 +42,10 @@ enum Cmd {
         /// Config file (default /etc/connreap/connreap.toml if present, else built-in defaults).
         #[arg(long)]
         config: Option<std::path::PathBuf>,
+        /// Serve the API on this address instead of agent.listen's, keeping its port (the
+        /// DaemonSet passes the pod IP).
+        #[arg(long, value_name = "IP")]
+        listen_ip: Option<std::net::IpAddr>,
     },
     /// Validate a config file; exit 78 with file, line and key when it is invalid.
     CheckConfig { path: std::path::PathBuf },
@@ -64,6 +69,9 @@ enum Cmd {
     },
     /// Remove the pinned state tracker (/sys/fs/bpf/connreap): ages start over.
     Unpin,
+    /// Write the man pages and shell completions (`cargo xtask dist`).
+    #[command(hide = true)]
+    GenerateDocs(docs::Args),
 }
 
 fn init_tracing(verbose: bool) {
@@ -117,8 +125,12 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
     Ok(())
 }
 
-fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode> {
-    let (cfg, source) = match config::load_default(path) {
+fn run(
+    verbose: bool,
+    path: Option<&std::path::Path>,
+    listen_ip: Option<std::net::IpAddr>,
+) -> anyhow::Result<ExitCode> {
+    let (mut cfg, source) = match config::load_default(path) {
         Ok(c) => c,
         Err(e) => {
             eprintln!(
@@ -128,8 +140,15 @@ fn run(verbose: bool, path: Option<&std::path::Path>) -> anyhow::Result<ExitCode
             return Ok(ExitCode::from(config::EX_CONFIG));
         }
     };
+    if let Some(ip) = listen_ip {
+        cfg.agent.listen.set_ip(ip);
+    }
     for w in config::warnings(&cfg) {
         tracing::warn!("{source}: {w}");
+    }
+    if let Err(e) = scan_loop::check_watchdog(cfg.agent.scan_interval) {
+        eprintln!("connreap: {e}");
+        return Ok(ExitCode::from(config::EX_CONFIG));
     }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
@@ -235,7 +254,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     init_tracing(cli.verbose);
     let result = match &cli.cmd {
-        Cmd::Run { config } => match run(cli.verbose, config.as_deref()) {
+        Cmd::Run { config, listen_ip } => match run(cli.verbose, config.as_deref(), *listen_ip) {
             Ok(code) => return code,
             Err(e) => Err(e),
         },
@@ -291,6 +310,7 @@ fn main() -> ExitCode {
                 )
             })
             .map_err(Into::into),
+        Cmd::GenerateDocs(args) => docs::generate(<Cli as clap::CommandFactory>::command(), args),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

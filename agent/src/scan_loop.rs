@@ -33,6 +33,43 @@ pub struct ScanLoop {
     pub webhooks: Webhooks,
 }
 
+/// The systemd watchdog is pinged once per scan (in [`ScanLoop::run`]), so a watchdog interval
+/// near `agent.scan_interval` would kill a healthy daemon whenever one scan runs a little long.
+#[derive(Debug, thiserror::Error)]
+#[error(
+    "the systemd watchdog (WatchdogSec={}) must be at least twice agent.scan_interval ({}): \
+     the daemon pings it once per scan; raise WatchdogSec or lower agent.scan_interval",
+    humantime::format_duration(*.watchdog),
+    humantime::format_duration(*.scan_interval)
+)]
+pub struct WatchdogTooShort {
+    watchdog: Duration,
+    scan_interval: Duration,
+}
+
+/// At start: refuse a watchdog (`WATCHDOG_USEC` from systemd) shorter than twice the scan
+/// interval.
+pub fn check_watchdog(scan_interval: Duration) -> Result<(), WatchdogTooShort> {
+    let mut usec = 0u64;
+    if !sd_notify::watchdog_enabled(false, &mut usec) {
+        return Ok(());
+    }
+    check_watchdog_interval(Duration::from_micros(usec), scan_interval)
+}
+
+fn check_watchdog_interval(
+    watchdog: Duration,
+    scan_interval: Duration,
+) -> Result<(), WatchdogTooShort> {
+    if watchdog < scan_interval.saturating_mul(2) {
+        return Err(WatchdogTooShort {
+            watchdog,
+            scan_interval,
+        });
+    }
+    Ok(())
+}
+
 /// State carried from one scan to the next.
 struct Carry {
     alerts: Tracker,
@@ -178,5 +215,21 @@ impl ScanLoop {
                 }
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn watchdog_must_be_twice_the_scan_interval() {
+        let s = Duration::from_secs;
+        assert!(check_watchdog_interval(s(60), s(5)).is_ok());
+        assert!(check_watchdog_interval(s(10), s(5)).is_ok());
+        let e = check_watchdog_interval(s(60), s(45)).expect_err("too short");
+        let msg = e.to_string();
+        assert!(msg.contains("WatchdogSec=1m"), "{msg}");
+        assert!(msg.contains("agent.scan_interval (45s)"), "{msg}");
     }
 }

@@ -2,7 +2,10 @@
 //! bench). Every command that needs the BPF toolchain first checks it and installs what is
 //! missing, saying what it installs.
 mod bench;
+mod debtest;
+mod dist;
 mod setup;
+mod shipcheck;
 mod vmtest;
 
 use std::{
@@ -44,6 +47,11 @@ enum Cmd {
     },
     /// The kernel matrix: boot Debian kernels under QEMU and run a smoke scenario in each.
     Vmtest(vmtest::VmtestArgs),
+    /// The .deb (target/dist/deb/): BPF object, release agent, man pages, completions, conffile.
+    Dist,
+    /// What ships: the unit's security score, the Kubernetes manifests, and (root) the .deb
+    /// installed, used and purged. All three without flags.
+    ShipCheck(shipcheck::Args),
     /// Benchmarks; writes BENCHMARKS.md.
     Bench(bench::BenchArgs),
     /// Load generators the bench re-executes (internal).
@@ -163,16 +171,13 @@ fn verify_unit() -> Result<()> {
         return Ok(());
     }
     let unit = std::fs::read_to_string(root().join("systemd/connreap.service"))?;
-    let unit = unit.replace(
-        "/usr/local/bin/connreap",
-        &agent_bin().display().to_string(),
-    );
+    let unit = unit.replace("/usr/bin/connreap", &agent_bin().display().to_string());
     let dir = std::env::temp_dir().join(format!("connreap-unit-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let path = dir.join("connreap.service");
     std::fs::write(&path, unit)?;
     let out = Command::new("systemd-analyze")
-        .arg("verify")
+        .args(["verify", "--man=no"])
         .arg(&path)
         .output()?;
     let _ = std::fs::remove_dir_all(&dir);
@@ -210,6 +215,8 @@ fn main() -> Result<()> {
                 "xtask",
             ]))?;
             verify_unit()?;
+            shipcheck::security()?;
+            shipcheck::manifests()?;
             if unit_only {
                 return Ok(());
             }
@@ -223,12 +230,16 @@ fn main() -> Result<()> {
             run(&mut cmd)?;
             // The kernel matrix under QEMU (skipped when CONNREAP_SKIP_VMTEST=1).
             vmtest::from_test()?;
+            // The .deb installed, used, reinstalled and purged on this machine.
+            debtest::run(&dist::build()?)?;
             // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
             // under a minute) that proves `cargo xtask bench` still works.
             let exe = std::env::current_exe()?;
             run(Command::new(exe).args(["bench", "--smoke", "--no-build", "--wait-quiet", "0"]))
         }
         Cmd::Vmtest(args) => vmtest::run(args),
+        Cmd::Dist => dist::build().map(|_| ()),
+        Cmd::ShipCheck(args) => shipcheck::check(args),
         Cmd::Bench(args) => bench::run(args),
         Cmd::BenchWorker(args) => bench::worker(args),
     }
