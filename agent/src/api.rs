@@ -136,13 +136,13 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     (code, Json(body)).into_response()
 }
 
-async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+/// OpenMetrics, or the Prometheus text format when the scraper's `Accept` prefers it.
+async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
+    let format = crate::metrics::Format::negotiate(accept);
     (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        st.metrics.render(),
+        [(header::CONTENT_TYPE, format.content_type())],
+        st.metrics.render(format),
     )
         .into_response()
 }
