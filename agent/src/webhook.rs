@@ -185,10 +185,11 @@ impl Webhooks {
                 client.clone(),
                 cfg.url.clone(),
                 q.clone(),
-                (alerts.max_backoff, alerts.timeout),
+                alerts.max_backoff,
+                alerts.timeout,
                 metrics.clone(),
             );
-            tasks.spawn(format!("webhook sender {}", cfg.url), sender);
+            tasks.spawn(format!("webhook sender {}", q.receiver), sender);
             receivers.push((cfg.clone(), q));
         }
         Webhooks {
@@ -260,7 +261,8 @@ async fn deliver(
     client: reqwest::Client,
     url: String,
     q: Arc<Queue>,
-    (max_backoff, timeout): (Duration, Duration),
+    max_backoff: Duration,
+    timeout: Duration,
     metrics: Arc<Metrics>,
 ) {
     let mut backoff = Duration::from_secs(1);

@@ -2,6 +2,7 @@
 //! bench). Every command that needs the BPF toolchain first checks it and installs what is
 //! missing, saying what it installs.
 mod bench;
+mod promtool;
 mod setup;
 
 use std::{
@@ -184,7 +185,7 @@ fn verify_unit() -> Result<()> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Setup => setup::install(),
+        Cmd::Setup => setup::install().and_then(|()| promtool::ensure().map(drop)),
         Cmd::BuildEbpf => build_ebpf(),
         Cmd::Build => build_agent(),
         Cmd::Run { args } => {
@@ -207,6 +208,10 @@ fn main() -> Result<()> {
                 "xtask",
             ]))?;
             verify_unit()?;
+            let promtool = promtool::ensure()?;
+            if promtool {
+                promtool::check_rules()?;
+            }
             if unit_only {
                 return Ok(());
             }
@@ -217,6 +222,9 @@ fn main() -> Result<()> {
                 .args(&args)
                 .env("CONNREAP_BIN", agent_bin());
             run(&mut cmd)?;
+            if promtool {
+                promtool::check_live_metrics()?;
+            }
             // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
             // under a minute) that proves `cargo xtask bench` still works.
             let exe = std::env::current_exe()?;

@@ -134,6 +134,7 @@ max_per_round = 8
 pub struct Config {
     audit: PathBuf,
     host: Option<String>,
+    log_format: Option<String>,
     token_file: Option<PathBuf>,
     detect: Vec<String>,
     fast_alerts: bool,
@@ -150,6 +151,7 @@ impl Config {
         Config {
             audit: dir.path("audit.jsonl"),
             host: None,
+            log_format: None,
             token_file: None,
             detect: Vec::new(),
             fast_alerts: false,
@@ -186,6 +188,12 @@ impl Config {
     /// Lines for `[detect]`, e.g. `close_wait_threshold = 4` (several separated by newlines).
     pub fn detect(mut self, lines: &str) -> Config {
         self.detect.push(lines.to_string());
+        self
+    }
+
+    /// `agent.log_format` (`text` or `json`).
+    pub fn log_format(mut self, format: &str) -> Config {
+        self.log_format = Some(format.to_string());
         self
     }
 
@@ -233,6 +241,9 @@ impl fmt::Display for Config {
         writeln!(f, "[agent]\nlisten = \"{API}\"\nscan_interval = \"1s\"")?;
         if let Some(host) = &self.host {
             writeln!(f, "host = \"{host}\"")?;
+        }
+        if let Some(format) = &self.log_format {
+            writeln!(f, "log_format = \"{format}\"")?;
         }
         if let Some(token) = &self.token_file {
             writeln!(f, "\n[api]\ntoken_file = \"{}\"", token.display())?;

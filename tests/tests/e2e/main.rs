@@ -9,12 +9,15 @@
 //!   the HTTP API serves.
 //! - `reclaim`: reclaim under policy, checked where it has effects (the relay's `/status`, a
 //!   real request through the chain, `ss`, the audit log, the API, the processes).
+//! - `alerting`: the real Prometheus (Debian's package) scraping the agent with the shipped
+//!   rules.
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
 //!   `netns_variants`).
 //!
 //! Every wait is a bounded poll; scans run every second and thresholds and ages are a few
 //! seconds, so each test takes well under a minute even on a loaded machine.
 
+mod alerting;
 mod daemon;
 mod fixtures_selftest;
 mod reclaim;
