@@ -42,6 +42,8 @@ pub struct Published {
     pub scans: u64,
     /// Notifications waiting for webhook receivers.
     pub webhook_queued: usize,
+    /// The state tracker is detached and could not be re-attached: why.
+    pub tracker_problem: Option<String>,
 }
 
 pub struct AppState {
@@ -63,22 +65,10 @@ impl AppState {
     }
 }
 
-/// The bearer token for POST /v1/reclaim, if configured.
+/// The bearer token for POST /v1/reclaim, if configured. Config validation has checked the
+/// file (readable, long enough, private); this reads it again for the running daemon.
 pub fn read_token(cfg: &Config) -> anyhow::Result<Option<String>> {
-    use anyhow::Context as _;
-    if cfg.api.token_file.is_empty() {
-        return Ok(None);
-    }
-    let t = std::fs::read_to_string(&cfg.api.token_file)
-        .with_context(|| format!("cannot read api.token_file {}", cfg.api.token_file))?;
-    let t = t.trim().to_string();
-    if t.len() < 16 {
-        anyhow::bail!(
-            "api.token_file {}: token must be at least 16 characters",
-            cfg.api.token_file
-        );
-    }
-    Ok(Some(t))
+    crate::config::read_token(&cfg.api).map_err(|e| anyhow::anyhow!("api.token_file: {e}"))
 }
 
 pub fn router(state: Arc<AppState>) -> Router {
@@ -102,10 +92,15 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     let interval = st.cfg.agent.scan_interval;
     let age = p.last_scan.map(|t| t.elapsed());
     // Healthy once a scan has completed and scans keep completing.
-    let healthy = age.is_some_and(|a| a <= interval * 3 + std::time::Duration::from_secs(5));
+    let healthy = age.is_some_and(|a| {
+        a <= interval
+            .saturating_mul(3)
+            .saturating_add(std::time::Duration::from_secs(5))
+    });
     // Scans work, but something a user relies on does not: still 200 (restarting the agent
     // would not help), with each problem named.
     let mut problems: Vec<String> = st.tasks.failures();
+    problems.extend(p.tracker_problem.clone());
     if let Some(e) = &st.engine.status.borrow().audit_error {
         problems.push(format!(
             "audit log not writable, enforce policies kill nothing: {e}"

@@ -1,6 +1,10 @@
 //! Configuration: TOML file, every key with a commented default. `connreap.example.toml` at the
 //! repository root is the reference; a unit test keeps it equal to `Config::default()`.
 mod keys;
+mod ranges;
+mod size;
+mod token;
+mod validate;
 
 use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
 
@@ -8,6 +12,11 @@ use serde::{Deserialize, Serialize};
 
 use crate::table::TcpState;
 use keys::{KeyPath, Positions};
+pub use ranges::{DEFAULT_MAX_BODY, MAX_COUNT};
+pub use size::ByteSize;
+pub use token::read_token;
+use validate::validate;
+pub use validate::warnings;
 
 /// Exit code for an invalid configuration (sysexits.h EX_CONFIG).
 pub const EX_CONFIG: u8 = 78;
@@ -231,6 +240,9 @@ pub struct QuotaConfig {
     pub peer: Option<SocketAddr>,
     /// Fixed limit (static sources, or HTTP sources without `limit_field`).
     pub limit: Option<u64>,
+    /// Largest response body read from an HTTP source (default [`DEFAULT_MAX_BODY`]); a
+    /// bigger one makes the source unavailable.
+    pub max_body: Option<ByteSize>,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -277,6 +289,10 @@ pub struct Selector {
     pub peer: Option<SocketAddr>,
     #[serde(default)]
     pub states: Vec<TcpState>,
+    /// Also select sockets with no owner (e.g. connections still in a listener's accept
+    /// queue). Only with local_port or peer_port: without it they are never selected.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub unowned: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -292,25 +308,38 @@ pub struct PolicyConfig {
     pub min_idle: Option<Duration>,
     #[serde(default, with = "humantime_serde::option")]
     pub min_age: Option<Duration>,
-    #[serde(default = "default_order")]
-    pub order: String,
+    #[serde(default)]
+    pub order: Order,
     #[serde(default = "default_max_per_round")]
     pub max_per_round: usize,
-    #[serde(default = "default_action")]
-    pub action: String,
+    #[serde(default)]
+    pub action: Action,
+}
+
+/// Which selected sockets a round takes first.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Order {
+    /// Longest in their state first, then longest idle (the relay operators' rule: age, not
+    /// idleness, because quiet streams are legitimately idle).
+    #[default]
+    OldestFirst,
+}
+
+/// What a round does to a socket it takes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Action {
+    /// SOCK_DESTROY (or the bpf_sock_destroy fallback): RST where the state calls for it.
+    #[default]
+    Destroy,
 }
 
 fn default_mode() -> PolicyMode {
     PolicyMode::DryRun
 }
-fn default_order() -> String {
-    "oldest-first".into()
-}
 fn default_max_per_round() -> usize {
     8
-}
-fn default_action() -> String {
-    "destroy".into()
 }
 
 impl QuotaConfig {
@@ -323,6 +352,10 @@ impl QuotaConfig {
             .get(&port.to_string())
             .copied()
             .unwrap_or(port)
+    }
+    /// `max_body`, else the default.
+    pub fn max_body(&self) -> u64 {
+        self.max_body.unwrap_or(DEFAULT_MAX_BODY).0
     }
 }
 
@@ -403,182 +436,6 @@ pub fn load_default(explicit: Option<&Path>) -> Result<(Config, String), ConfigE
         }
         None => Ok((Config::default(), "built-in defaults".into())),
     }
-}
-
-/// A validation failure: where, and what is wrong.
-type Invalid = (KeyPath, String);
-
-fn invalid(key: KeyPath, message: impl Into<String>) -> Invalid {
-    (key, message.into())
-}
-
-/// `table.key` at the top of the document.
-fn top(table: &str, key: &str) -> KeyPath {
-    KeyPath::default().key(table).key(key)
-}
-
-fn validate(cfg: &Config) -> Result<(), Invalid> {
-    if cfg.agent.scan_interval < Duration::from_millis(100) {
-        return Err(invalid(
-            top("agent", "scan_interval"),
-            "must be at least 100ms",
-        ));
-    }
-    let d = &cfg.detect;
-    if !(d.quota_saturation > 0.0 && d.quota_saturation <= 1.0) {
-        return Err(invalid(
-            top("detect", "quota_saturation"),
-            "must be in (0, 1]",
-        ));
-    }
-    if d.close_wait_threshold == 0 || d.stuck_pair_threshold == 0 {
-        return Err(invalid(
-            KeyPath::default().key("detect"),
-            "thresholds must be at least 1",
-        ));
-    }
-    if d.storm_rate <= 0.0 {
-        return Err(invalid(top("detect", "storm_rate"), "must be positive"));
-    }
-    if cfg.alerts.queue_capacity == 0 {
-        return Err(invalid(
-            top("alerts", "queue_capacity"),
-            "must be at least 1",
-        ));
-    }
-    validate_quotas(cfg)?;
-    for (i, w) in cfg.webhook.iter().enumerate() {
-        if !w.url.starts_with("http://") && !w.url.starts_with("https://") {
-            return Err(invalid(
-                KeyPath::default().entry("webhook", i, None).key("url"),
-                format!("`{}` is not an http(s) URL", w.url),
-            ));
-        }
-    }
-    validate_policies(cfg)
-}
-
-fn validate_quotas(cfg: &Config) -> Result<(), Invalid> {
-    let mut names = std::collections::HashSet::new();
-    for (i, q) in cfg.quota.iter().enumerate() {
-        let entry = KeyPath::default().entry("quota", i, Some(&q.name));
-        let key = |k: &str| entry.clone().key(k);
-        if q.name.is_empty() || !names.insert(q.name.as_str()) {
-            return Err(invalid(
-                KeyPath::default().entry("quota", i, None).key("name"),
-                "must be present and unique",
-            ));
-        }
-        match (&q.url, &q.process) {
-            (Some(url), None) => {
-                if !url.starts_with("http://") && !url.starts_with("https://") {
-                    return Err(invalid(
-                        key("url"),
-                        format!("`{url}` is not an http(s) URL"),
-                    ));
-                }
-                let items = q.items.as_deref().unwrap_or("");
-                if !items.is_empty() && !items.starts_with('/') {
-                    return Err(invalid(
-                        key("items"),
-                        "must be a JSON pointer like \"/endpoints\"",
-                    ));
-                }
-                if q.port_field.is_none() || q.used_field.is_none() {
-                    return Err(invalid(
-                        key("port_field"),
-                        "HTTP sources need port_field and used_field",
-                    ));
-                }
-                if q.limit_field.is_none() && q.limit.is_none() {
-                    return Err(invalid(
-                        key("limit_field"),
-                        "set limit_field or a fixed limit",
-                    ));
-                }
-                for k in q.port_map.keys() {
-                    if k.parse::<u16>().is_err() {
-                        return Err(invalid(key("port_map"), format!("`{k}` is not a port")));
-                    }
-                }
-            }
-            (None, Some(_)) => {
-                if q.peer.is_none() || q.limit.is_none() {
-                    return Err(invalid(
-                        key("peer"),
-                        "static sources need process, peer and limit",
-                    ));
-                }
-            }
-            _ => {
-                return Err(invalid(
-                    key("url"),
-                    "set either url (HTTP JSON source) or process + peer + limit (static source)",
-                ))
-            }
-        }
-        if q.limit == Some(0) {
-            return Err(invalid(key("limit"), "must be at least 1"));
-        }
-    }
-    Ok(())
-}
-
-fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
-    let mut names = std::collections::HashSet::new();
-    for (i, p) in cfg.policy.iter().enumerate() {
-        let entry = KeyPath::default().entry("policy", i, Some(&p.name));
-        let key = |k: &str| entry.clone().key(k);
-        if p.name.is_empty() || !names.insert(p.name.as_str()) {
-            return Err(invalid(
-                KeyPath::default().entry("policy", i, None).key("name"),
-                "must be present and unique",
-            ));
-        }
-        let s = &p.select;
-        if s.comm.is_none()
-            && s.pid.is_none()
-            && s.unit.is_none()
-            && s.local_port.is_none()
-            && s.peer_port.is_none()
-            && s.peer.is_none()
-        {
-            return Err(invalid(
-                key("select"),
-                "selects nothing specific: name at least one of comm, pid, unit, local_port, peer_port, peer",
-            ));
-        }
-        if s.states.contains(&TcpState::Listen) {
-            return Err(invalid(
-                key("select").key("states"),
-                "LISTEN sockets are never reclaimed",
-            ));
-        }
-        if p.trigger == Trigger::QuotaSaturated {
-            match &p.quota {
-                None => {
-                    return Err(invalid(
-                        key("quota"),
-                        "trigger = \"quota-saturated\" needs a quota name",
-                    ))
-                }
-                Some(q) if !cfg.quota.iter().any(|c| &c.name == q) => {
-                    return Err(invalid(key("quota"), format!("no [[quota]] named `{q}`")))
-                }
-                _ => {}
-            }
-        }
-        if p.order != "oldest-first" {
-            return Err(invalid(key("order"), "only \"oldest-first\" is supported"));
-        }
-        if p.action != "destroy" {
-            return Err(invalid(key("action"), "only \"destroy\" is supported"));
-        }
-        if p.max_per_round == 0 {
-            return Err(invalid(key("max_per_round"), "must be at least 1"));
-        }
-    }
-    Ok(())
 }
 
 #[cfg(test)]

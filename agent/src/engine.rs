@@ -8,7 +8,7 @@ use tokio::sync::{mpsc, oneshot, watch};
 
 use crate::{
     config::{Config, PolicyConfig},
-    kernel::{Counters, Kernel, KernelError, ProgramStats},
+    kernel::{Counters, Kernel, KernelError, ProgramStats, TrackerStatus},
     quota::QuotaStatus,
     reclaim::{
         exec::{Asker, Reclaimer, RoundResult},
@@ -23,6 +23,8 @@ pub struct ScanOutput {
     pub table: Vec<Socket>,
     pub counters: Counters,
     pub programs: Vec<ProgramStats>,
+    /// Whether the state tracker is attached (re-attached if its pins were removed).
+    pub tracker: TrackerStatus,
 }
 
 /// The engine stopped (its thread ended): the daemon is shutting down or the thread panicked.
@@ -76,6 +78,7 @@ impl Core {
             table,
             counters: self.scanner.kernel.counters()?,
             programs: self.scanner.kernel.program_stats(),
+            tracker: self.scanner.kernel.check_tracker(),
         })
     }
 

@@ -108,6 +108,9 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
 }
 
 fn run(verbose: bool, cfg: config::Config, source: String) -> anyhow::Result<ExitCode> {
+    for w in config::warnings(&cfg) {
+        tracing::warn!("{source}: {w}");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
@@ -149,7 +152,7 @@ fn reclaim_once(
         .enable_all()
         .build()?;
     let client = reqwest::Client::builder().no_proxy().build()?;
-    let now = present::rfc3339_ms(chrono::Utc::now());
+    let now = chrono::Utc::now();
     let quotas: Vec<quota::QuotaStatus> = cfg
         .quota
         .iter()
@@ -158,7 +161,7 @@ fn reclaim_once(
                 let timeout = quota::timeout(q, cfg.agent.scan_interval);
                 rt.block_on(quota::poll(&client, q, timeout, None))
             } else {
-                quota::static_status(q, &table, &now)
+                quota::static_status(q, &table, now)
             }
         })
         .collect();
@@ -272,6 +275,9 @@ fn other_command(verbose: bool, cmd: &Cmd) -> anyhow::Result<ExitCode> {
     let done = match cmd {
         Cmd::CheckConfig { path } => match config::load(path) {
             Ok(c) => {
+                for w in config::warnings(&c) {
+                    eprintln!("connreap: warning: {}: {w}", path.display());
+                }
                 println!(
                     "{}: ok ({} quota sources, {} webhooks, {} policies)",
                     path.display(),

@@ -54,6 +54,18 @@ pub fn ser_rfc3339_opt<S: serde::Serializer>(
     }
 }
 
+/// `#[serde(serialize_with = "present::ser_rfc3339_ms_opt")]`: an optional time as
+/// [`rfc3339_ms`] (None is null).
+pub fn ser_rfc3339_ms_opt<S: serde::Serializer>(
+    t: &Option<DateTime<Utc>>,
+    s: S,
+) -> Result<S::Ok, S::Error> {
+    match t {
+        Some(t) => s.serialize_str(&rfc3339_ms(*t)),
+        None => s.serialize_none(),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -82,6 +82,7 @@ impl ScanLoop {
             table,
             counters,
             programs,
+            tracker,
         } = match self.engine.scan().await {
             Ok(out) => out,
             Err(e) => {
@@ -135,6 +136,7 @@ impl ScanLoop {
             p.last_scan_error = None;
             p.scans += 1;
             p.webhook_queued = queued;
+            p.tracker_problem = tracker.problem().map(str::to_string);
         });
         true
     }
@@ -157,7 +159,7 @@ impl ScanLoop {
     /// Every quota source's reading: HTTP sources from their pollers, static ones counted from
     /// `table`.
     fn quotas(&self, table: &[Socket]) -> Vec<QuotaStatus> {
-        let now = crate::present::rfc3339_ms(chrono::Utc::now());
+        let now = chrono::Utc::now();
         self.cfg
             .quota
             .iter()
@@ -172,7 +174,7 @@ impl ScanLoop {
                         error: None,
                     })
                 } else {
-                    quota::static_status(q, table, &now)
+                    quota::static_status(q, table, now)
                 }
             })
             .collect()

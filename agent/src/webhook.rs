@@ -82,10 +82,14 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     // expires; resolved alerts end when they ended.
     let ends_at = match (alert.status, alert.ended_at) {
         (Status::Resolved, Some(end)) => rfc3339(end),
-        _ => rfc3339(
-            chrono::Utc::now()
-                + chrono::Duration::from_std(resend * 4).unwrap_or(chrono::Duration::minutes(4)),
-        ),
+        _ => {
+            let now = chrono::Utc::now();
+            let valid = chrono::Duration::from_std(resend.saturating_mul(4))
+                .unwrap_or(chrono::Duration::minutes(4));
+            // Checked: a huge interval must not overflow the calendar (config validation
+            // bounds it; this holds whatever it is given).
+            rfc3339(now.checked_add_signed(valid).unwrap_or(now))
+        }
     };
     json!([{
         "labels": labels,
@@ -257,6 +261,15 @@ impl Webhooks {
     }
 }
 
+/// The first wait before retrying a receiver that is down, and the shortest.
+const MIN_BACKOFF: Duration = Duration::from_secs(1);
+
+/// The wait after `backoff`: doubled, at most `max_backoff`, never under [`MIN_BACKOFF`]
+/// (config validation refuses a smaller `max_backoff`; this holds whatever it is given).
+fn next_backoff(backoff: Duration, max_backoff: Duration) -> Duration {
+    backoff.saturating_mul(2).min(max_backoff).max(MIN_BACKOFF)
+}
+
 async fn deliver(
     client: reqwest::Client,
     url: String,
@@ -265,7 +278,7 @@ async fn deliver(
     timeout: Duration,
     metrics: Arc<Metrics>,
 ) {
-    let mut backoff = Duration::from_secs(1);
+    let mut backoff = MIN_BACKOFF;
     loop {
         let next = q.items.lock().ok().and_then(|i| i.front().cloned());
         let Some(item) = next else {
@@ -282,7 +295,7 @@ async fn deliver(
                         items.pop_front();
                     }
                 }
-                backoff = Duration::from_secs(1);
+                backoff = MIN_BACKOFF;
             }
             other => {
                 metrics.webhook_sent(&q.receiver, false);
@@ -293,7 +306,7 @@ async fn deliver(
                 tracing::warn!(receiver = %q.receiver, cause = %why.cause, error = why.detail.as_deref(),
                     retry_in = ?backoff, "webhook delivery failed; will retry");
                 tokio::time::sleep(backoff).await;
-                backoff = (backoff * 2).min(max_backoff);
+                backoff = next_backoff(backoff, max_backoff);
             }
         }
     }
@@ -303,6 +316,18 @@ async fn deliver(
 mod tests {
     use super::*;
     use crate::detect::Kind;
+
+    #[test]
+    fn backoff_doubles_to_the_maximum_and_never_under_a_second() {
+        let s = Duration::from_secs;
+        assert_eq!(next_backoff(s(1), s(60)), s(2));
+        assert_eq!(next_backoff(s(32), s(60)), s(60));
+        assert_eq!(next_backoff(s(60), s(60)), s(60));
+        // A zero or tiny maximum must not turn retries into a hot loop.
+        assert_eq!(next_backoff(s(1), Duration::ZERO), s(1));
+        assert_eq!(next_backoff(s(1), Duration::from_millis(1)), s(1));
+        assert_eq!(next_backoff(Duration::MAX, Duration::MAX), Duration::MAX);
+    }
 
     #[test]
     fn alertmanager_body_has_labels_and_times() {

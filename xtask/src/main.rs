@@ -4,6 +4,7 @@
 mod bench;
 mod promtool;
 mod setup;
+mod vmtest;
 
 use std::{
     path::{Path, PathBuf},
@@ -42,6 +43,8 @@ enum Cmd {
         #[arg(trailing_var_arg = true, allow_hyphen_values = true)]
         args: Vec<String>,
     },
+    /// The kernel matrix: boot Debian kernels under QEMU and run a smoke scenario in each.
+    Vmtest(vmtest::VmtestArgs),
     /// Benchmarks; writes BENCHMARKS.md.
     Bench(bench::BenchArgs),
     /// Load generators the bench re-executes (internal).
@@ -216,6 +219,7 @@ fn main() -> Result<()> {
                 return Ok(());
             }
             // Privileged end-to-end tests: one network namespace per test, run one at a time.
+            setup::ensure_test_packages()?;
             let mut cmd = cargo();
             cmd.args(["test", "--release", "--package", "connreap-tests", "--"])
                 .args(["--test-threads=1"])
@@ -225,11 +229,14 @@ fn main() -> Result<()> {
             if promtool {
                 promtool::check_live_metrics()?;
             }
+            // The kernel matrix under QEMU (skipped when CONNREAP_SKIP_VMTEST=1).
+            vmtest::from_test()?;
             // The benchmarks stay out of CI except this small smoke run (about 1k sockets,
             // under a minute) that proves `cargo xtask bench` still works.
             let exe = std::env::current_exe()?;
             run(Command::new(exe).args(["bench", "--smoke", "--no-build", "--wait-quiet", "0"]))
         }
+        Cmd::Vmtest(args) => vmtest::run(args),
         Cmd::Bench(args) => bench::run(args),
         Cmd::BenchWorker(args) => bench::worker(args),
     }

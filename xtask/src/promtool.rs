@@ -1,8 +1,8 @@
 //! Prometheus checks in `cargo xtask test`: the shipped alerting rules (`promtool check rules`
 //! and their unit tests with `promtool test rules`), and a live scrape of the agent's /metrics
 //! in the Prometheus text format through `promtool check metrics`. Debian's `prometheus`
-//! package brings promtool and the `prometheus` server the e2e tests start; it is installed
-//! when missing.
+//! package brings promtool (and the server the e2e tests start); it is installed with the
+//! other test packages when missing.
 use std::{
     io::{Read as _, Write as _},
     net::{SocketAddr, TcpStream},
@@ -33,9 +33,9 @@ fn is_ci() -> bool {
     std::env::var("CI").is_ok_and(|v| v == "true" || v == "1")
 }
 
-/// Install Debian's `prometheus` package (promtool, the server) unless promtool is there.
-/// Without root it is skipped with a warning (an error under `CI=true`); returns whether
-/// promtool is available.
+/// Install the e2e tests' Debian packages (`prometheus` brings promtool) unless promtool is
+/// there. Without root it is skipped with a warning (an error under `CI=true`); returns
+/// whether promtool is available.
 pub fn ensure() -> Result<bool> {
     if has_promtool() {
         return Ok(true);
@@ -48,19 +48,7 @@ pub fn ensure() -> Result<bool> {
         eprintln!("xtask: promtool not found and not root: skipping the Prometheus checks (`sudo cargo xtask setup` installs it)");
         return Ok(false);
     }
-    eprintln!(
-        "xtask: installing the prometheus package (promtool, and the server the e2e tests start)"
-    );
-    run(Command::new("apt-get").args(["update", "-qq"]))?;
-    run(Command::new("apt-get")
-        .args([
-            "install",
-            "-y",
-            "-qq",
-            "--no-install-recommends",
-            "prometheus",
-        ])
-        .env("DEBIAN_FRONTEND", "noninteractive"))?;
+    crate::setup::ensure_test_packages()?;
     Ok(true)
 }
 

@@ -96,6 +96,42 @@ pub fn ensure() -> Result<()> {
     Ok(())
 }
 
+/// Debian packages the end-to-end tests run for real next to connreap (what users run):
+/// Alertmanager and Prometheus (with promtool).
+const TEST_PACKAGES: &[(&str, &str)] = &[
+    (
+        "prometheus-alertmanager",
+        "/usr/bin/prometheus-alertmanager",
+    ),
+    ("prometheus", "/usr/bin/promtool"),
+];
+
+/// Install the test-only packages that are missing (their services are not started: there
+/// is no systemd here and the tests start what they need on loopback ports).
+pub fn ensure_test_packages() -> Result<()> {
+    let missing: Vec<&str> = TEST_PACKAGES
+        .iter()
+        .filter(|(_, bin)| !std::path::Path::new(bin).exists())
+        .map(|(pkg, _)| *pkg)
+        .collect();
+    if missing.is_empty() {
+        return Ok(());
+    }
+    eprintln!(
+        "xtask: installing {} with apt (end-to-end tests)",
+        missing.join(" ")
+    );
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("installing packages needs root: run the tests as root");
+    }
+    run(Command::new("apt-get").args(["update", "-qq"]))?;
+    run(Command::new("apt-get")
+        .args(["install", "-y", "-qq", "--no-install-recommends"])
+        .args(&missing)
+        .env("DEBIAN_FRONTEND", "noninteractive"))
+}
+
 pub fn install() -> Result<()> {
     ensure()?;
     eprintln!("xtask: setup complete (rust-src, LLVM 22, bpf-linker present)");

@@ -186,3 +186,279 @@ fn unreadable_files_keep_the_cause() {
         "/nonexistent/connreap.toml: cannot read: No such file or directory (os error 2)"
     );
 }
+
+/// The line the example documents `key` on: a top-level key's comment block above it, or the
+/// line of a key of the commented-out `[[quota]]`/`[[policy]]` examples.
+fn example_doc(key: &str) -> String {
+    let (table, name) = key.split_once('.').unwrap();
+    let entry = matches!(table, "quota" | "policy");
+    let header = if entry {
+        format!("# [[{table}]]")
+    } else {
+        format!("[{table}]")
+    };
+    let lines: Vec<&str> = EXAMPLE.lines().collect();
+    let start = lines
+        .iter()
+        .position(|l| *l == header)
+        .unwrap_or_else(|| panic!("example has no {header}"));
+    let at = (start..lines.len())
+        .find(|i| {
+            let l = lines[*i];
+            let l = if entry {
+                l.trim_start_matches('#').trim_start()
+            } else {
+                l
+            };
+            l.starts_with(&format!("{name} = "))
+        })
+        .unwrap_or_else(|| panic!("example has no `{key}`"));
+    if entry {
+        return lines[at].to_string();
+    }
+    let mut first = at;
+    while first > start + 1 && lines[first - 1].starts_with('#') {
+        first -= 1;
+    }
+    lines[first..at].join("\n")
+}
+
+#[test]
+fn example_config_documents_every_range() {
+    for (key, range) in ranges::all() {
+        let doc = example_doc(key);
+        assert!(
+            doc.replace("Range:", "range:")
+                .contains(&format!("range: {range}")),
+            "connreap.example.toml must document `{key}` with \"range: {range}\"; it says:\n{doc}"
+        );
+    }
+    assert!(example_doc("detect.quota_saturation").contains("Range: (0, 1]"));
+}
+
+/// Every number, duration and size a configuration can hold has a range (checked against a
+/// configuration that sets every key).
+#[test]
+fn every_number_and_duration_has_a_range() {
+    let text = r#"
+[[quota]]
+name = "relay"
+url = "http://127.0.0.1:20080/status"
+items = "/endpoints"
+port_field = "port"
+used_field = "streams"
+limit_field = "maxStreams"
+poll_interval = "5s"
+timeout = "2s"
+max_body = "1MiB"
+limit = 64
+[[policy]]
+name = "p"
+mode = "enforce"
+trigger = "always"
+select = { comm = "node", peer_port = 25001 }
+min_idle = "10s"
+min_age = "10s"
+max_per_round = 8
+"#;
+    let cfg = parse(text, "t").unwrap();
+    let doc: toml::Table = toml::from_str(&toml::to_string(&cfg).unwrap()).unwrap();
+    let ranged: Vec<&str> = ranges::all().into_iter().map(|(k, _)| k).collect();
+    let mut seen = 0;
+    for (table, v) in &doc {
+        let entries: Vec<&toml::Table> = match v {
+            toml::Value::Table(t) => vec![t],
+            toml::Value::Array(a) => a.iter().filter_map(toml::Value::as_table).collect(),
+            _ => continue,
+        };
+        for (key, value) in entries.into_iter().flatten() {
+            let numeric = match value {
+                toml::Value::Integer(_) | toml::Value::Float(_) => true,
+                toml::Value::String(s) => {
+                    humantime::parse_duration(s).is_ok() || s.parse::<ByteSize>().is_ok()
+                }
+                _ => false,
+            };
+            let path = format!("{table}.{key}");
+            if numeric && path != "detect.quota_saturation" {
+                seen += 1;
+                assert!(ranged.contains(&path.as_str()), "`{path}` has no range");
+            }
+        }
+    }
+    assert_eq!(seen, ranged.len(), "a range for a key that does not exist");
+}
+
+/// Parse `text`, which must be invalid; the message.
+fn refused(text: &str) -> String {
+    parse(text, "c.toml").unwrap_err().to_string()
+}
+
+#[test]
+fn values_that_would_break_the_daemon_are_refused_naming_line_and_key() {
+    let quota = "[[quota]]\nname = \"q\"\nurl = \"http://x/s\"\nport_field = \"p\"\nused_field = \"u\"\nlimit = 1\n";
+    let cases: &[(String, &str)] = &[
+        (
+            "[detect]\nclose_wait_min_age = \"100000000000y\"\n".into(),
+            "c.toml:2: `detect.close_wait_min_age`: must be from 0s to 7days (got 100000000000years",
+        ),
+        (
+            "[alerts]\nrepeat_interval = \"100000000000y\"\n".into(),
+            "c.toml:2: `alerts.repeat_interval`: must be from 1s to 30days",
+        ),
+        (
+            "[agent]\nscan_interval = \"100000000000y\"\n".into(),
+            "c.toml:2: `agent.scan_interval`: must be from 100ms to 1h",
+        ),
+        (
+            "[agent]\nscan_interval = \"10ms\"\n".into(),
+            "c.toml:2: `agent.scan_interval`: must be from 100ms to 1h (got 10ms)",
+        ),
+        (
+            format!("{quota}poll_interval = \"0s\"\n"),
+            "c.toml:7: `quota[0] (q).poll_interval`: must be from 100ms to 1h (got 0s)",
+        ),
+        (
+            format!("{quota}timeout = \"0s\"\n"),
+            "c.toml:7: `quota[0] (q).timeout`: must be from 100ms to 5m",
+        ),
+        (
+            format!("{quota}max_body = \"1GiB\"\n"),
+            "c.toml:7: `quota[0] (q).max_body`: must be from 1KiB to 64MiB (got 1GiB)",
+        ),
+        (
+            "[alerts]\ntimeout = \"0s\"\n".into(),
+            "c.toml:2: `alerts.timeout`: must be from 100ms to 5m",
+        ),
+        (
+            "[alerts]\nmax_backoff = \"0s\"\n".into(),
+            "c.toml:2: `alerts.max_backoff`: must be from 1s to 1day (got 0s)",
+        ),
+        (
+            "[detect]\nstorm_rate = nan\n".into(),
+            "c.toml:2: `detect.storm_rate`: must be from 0.001 to 1000000 (got NaN)",
+        ),
+        (
+            "[detect]\nstorm_rate = inf\n".into(),
+            "c.toml:2: `detect.storm_rate`: must be from 0.001 to 1000000 (got inf)",
+        ),
+        (
+            "[detect]\nstorm_rate = -1.0\n".into(),
+            "c.toml:2: `detect.storm_rate`",
+        ),
+        (
+            "[detect]\nquota_saturation = nan\n".into(),
+            "c.toml:2: `detect.quota_saturation`: must be in (0, 1]",
+        ),
+        (
+            "[detect]\nquota_saturation = 0.0\n".into(),
+            "c.toml:2: `detect.quota_saturation`: must be in (0, 1]",
+        ),
+        (
+            "[detect]\nstorm_growth_windows = 1000\n".into(),
+            "c.toml:2: `detect.storm_growth_windows`",
+        ),
+        (
+            "[detect]\nclose_wait_threshold = 0\n".into(),
+            "c.toml:2: `detect.close_wait_threshold`: must be from 1 to 1000000 (got 0)",
+        ),
+        (
+            "[alerts]\nqueue_capacity = 0\n".into(),
+            "c.toml:2: `alerts.queue_capacity`",
+        ),
+        (
+            format!("{quota}limit = 0\n").replace("limit = 1\n", ""),
+            "c.toml:6: `quota[0] (q).limit`: must be from 1 to 9007199254740992 (got 0)",
+        ),
+        (
+            "[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = { comm = \"x\" }\nmin_age = \"100000000000y\"\n".into(),
+            "c.toml:5: `policy[0] (p).min_age`",
+        ),
+        (
+            "[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = { comm = \"x\" }\nmax_per_round = 0\n".into(),
+            "c.toml:5: `policy[0] (p).max_per_round`",
+        ),
+    ];
+    for (text, expected) in cases {
+        let e = refused(text);
+        assert!(
+            e.starts_with(expected),
+            "{text}\n-> {e}\nexpected {expected}"
+        );
+    }
+    // The edges of a range are in it.
+    parse(
+        "[alerts]\nmax_backoff = \"1s\"\ntimeout = \"100ms\"\n",
+        "c.toml",
+    )
+    .unwrap();
+    parse(
+        "[detect]\nstorm_growth_windows = 0\nclose_wait_min_age = \"0s\"\n",
+        "c.toml",
+    )
+    .unwrap();
+}
+
+#[test]
+fn unowned_needs_a_port() {
+    let policy = |select: &str| {
+        format!("[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = {{ {select} }}\n")
+    };
+    let e = refused(&policy("comm = \"?\", unowned = true"));
+    assert!(
+        e.starts_with("c.toml:4: `policy[0] (p).select.unowned`: unowned = true needs local_port or peer_port"),
+        "{e}"
+    );
+    let c = parse(
+        &policy("comm = \"?\", local_port = 80, unowned = true"),
+        "c.toml",
+    )
+    .unwrap();
+    assert!(c.policy[0].select.unowned);
+    let c = parse(&policy("comm = \"?\""), "c.toml").unwrap();
+    assert!(!c.policy[0].select.unowned);
+    assert_eq!(
+        warnings(&c),
+        vec!["policy p: select.comm = \"?\" matches no socket without an owner (that needs select.unowned = true and a port)"]
+    );
+}
+
+#[test]
+fn token_file_problems_are_config_errors() {
+    use std::os::unix::fs::PermissionsExt as _;
+    let dir = std::env::temp_dir().join(format!("connreap-cfgtoken-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let write = |name: &str, text: &str, mode: u32| {
+        let p = dir.join(name);
+        std::fs::write(&p, text).unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
+        p.display().to_string()
+    };
+    let cfg =
+        |path: &str| format!("[agent]\nscan_interval = \"1s\"\n[api]\ntoken_file = \"{path}\"\n");
+    for (path, says) in [
+        (dir.join("missing").display().to_string(), "No such file"),
+        (write("short", "too-short\n", 0o600), "9 characters"),
+        (
+            write("open", "0123456789abcdef\n", 0o644),
+            "group or others (mode 644)",
+        ),
+    ] {
+        let e = refused(&cfg(&path));
+        assert!(e.starts_with("c.toml:4: `api.token_file`: "), "{e}");
+        assert!(e.contains(&path) && e.contains(says), "{e}");
+    }
+    let good = write("good", "0123456789abcdef\n", 0o600);
+    let c = parse(&cfg(&good), "c.toml").unwrap();
+    assert!(warnings(&c).is_empty());
+    let c = parse(
+        &cfg(&good).replace("scan_interval", "listen = \"0.0.0.0:9477\"\nscan_interval"),
+        "c.toml",
+    )
+    .unwrap();
+    let w = warnings(&c);
+    assert!(
+        w.len() == 1 && w[0].contains("0.0.0.0:9477") && w[0].contains("POST /v1/reclaim"),
+        "{w:?}"
+    );
+}

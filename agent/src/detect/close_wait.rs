@@ -21,7 +21,7 @@ pub fn detect(
             groups.entry((s.pid(), s.service_port)).or_default().push(s);
         }
     }
-    let stuck_long = cfg.close_wait_min_age * 10;
+    let stuck_long = cfg.close_wait_min_age.saturating_mul(10);
     let mut counts = BTreeMap::new();
     let mut out = Vec::new();
     for ((_, port), socks) in groups {

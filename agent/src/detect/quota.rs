@@ -345,7 +345,7 @@ limit = 4
                 )
             })
             .collect();
-        let st = crate::quota::static_status(&cfgs[1], &t, "now");
+        let st = crate::quota::static_status(&cfgs[1], &t, chrono::Utc::now());
         assert_eq!(
             st.entries[0],
             QuotaEntry {

@@ -2,7 +2,7 @@
 //! the error it came from: print with `{:#}` through anyhow to get the whole chain.
 use std::path::PathBuf;
 
-use super::{offsets, BTF_PATH};
+use super::{offsets, too_old, BTF_PATH};
 
 /// Why the kernel side could not be loaded or used.
 #[derive(Debug, thiserror::Error)]
@@ -22,6 +22,9 @@ pub enum KernelError {
         #[source]
         source: std::io::Error,
     },
+    /// The pin root is unusable; nothing was created or removed.
+    #[error("pin root {} (CONNREAP_PIN_ROOT) refused: {why}", root.display())]
+    PinRoot { root: PathBuf, why: String },
     #[error("cannot prepare pin directory {}", path.display())]
     PinDir {
         path: PathBuf,
@@ -48,6 +51,14 @@ pub enum KernelError {
     #[error("kernel refused BPF program {program}")]
     Refused {
         program: &'static str,
+        #[source]
+        source: Refusal,
+    },
+    /// The verifier refused the program because the kernel lacks a feature it uses.
+    #[error("{diagnosis}; BPF program {program} was refused")]
+    TooOld {
+        program: &'static str,
+        diagnosis: Box<too_old::TooOld>,
         #[source]
         source: Refusal,
     },
@@ -121,6 +132,13 @@ impl KernelError {
         move |source| KernelError::Iterate { what, source }
     }
 
+    pub(super) fn pin(path: &std::path::Path) -> impl Fn(aya::pin::PinError) -> KernelError + '_ {
+        move |source| KernelError::Pin {
+            path: path.to_path_buf(),
+            source,
+        }
+    }
+
     pub(super) fn map(name: &'static str) -> impl Fn(aya::maps::MapError) -> KernelError {
         move |source| KernelError::Map { name, source }
     }
@@ -136,13 +154,58 @@ pub(super) fn program_error(
         aya::programs::ProgramError::LoadError {
             io_error,
             verifier_log,
-        } => KernelError::Refused {
-            program,
-            source: Refusal {
+        } => {
+            let log = verifier_log.to_string();
+            let diagnosis = too_old::diagnose(&log, &too_old::running_release());
+            let source = Refusal {
                 errno: io_error,
-                verifier_log: verbose.then(|| verifier_log.to_string()),
-            },
-        },
+                verifier_log: verbose.then_some(log),
+            };
+            match diagnosis {
+                Some(diagnosis) => KernelError::TooOld {
+                    program,
+                    diagnosis: Box::new(diagnosis),
+                    source,
+                },
+                None => KernelError::Refused { program, source },
+            }
+        }
         source => KernelError::Program { program, source },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What `connreap snapshot` prints when Linux 5.10 refuses the tracker (checked on Debian
+    /// 11's 5.10.262 under QEMU): one line saying the kernel is too old, the missing feature and
+    /// the release that has it.
+    #[test]
+    fn too_old_is_one_line_naming_the_feature_and_release() {
+        let log = "BPF_STX uses reserved fields\nverification time 226 usec\n";
+        let e = KernelError::TooOld {
+            program: "connreap_set_state",
+            diagnosis: Box::new(too_old::diagnose(log, "5.10.0-46-cloud-amd64").unwrap()),
+            source: Refusal {
+                errno: std::io::Error::from_raw_os_error(libc::EINVAL),
+                verifier_log: None,
+            },
+        };
+        let line = format!("{:#}", anyhow::Error::new(e));
+        assert!(!line.contains('\n'), "{line}");
+        assert!(
+            line.starts_with("kernel too old: Linux 5.10.0-46-cloud-amd64 lacks 64-bit atomic compare-and-exchange"),
+            "{line}"
+        );
+        assert!(
+            line.contains("(Linux 5.12+); connreap needs Linux 5.12 or newer"),
+            "{line}"
+        );
+        assert!(
+            line.contains("BPF program connreap_set_state was refused: "),
+            "{line}"
+        );
+        assert!(line.contains("run with -v for the verifier log"), "{line}");
     }
 }

@@ -1,25 +1,8 @@
-//! Preparing the host for a load: bpffs and tracefs mounted, RLIMIT_MEMLOCK on old kernels, the
-//! pin directory of this build (other builds' pins removed), and the load lock.
-use std::{
-    fs,
-    os::fd::AsRawFd,
-    path::{Path, PathBuf},
-};
+//! Preparing the host for a load: bpffs and tracefs mounted, RLIMIT_MEMLOCK on old kernels, and
+//! the load lock. (The pin root and directory: `pins`.)
+use std::{fs, os::fd::AsRawFd, path::Path};
 
-use super::{KernelError, OBJECT};
-
-const PIN_ROOT: &str = "/sys/fs/bpf/connreap";
-/// Overrides [`PIN_ROOT`]: a second connreap with another root (on bpffs) runs its own tracker
-/// next to the first instead of replacing it (a canary build; the benchmarks' side-by-side
-/// measures).
-const PIN_ROOT_ENV: &str = "CONNREAP_PIN_ROOT";
-
-fn pin_root() -> PathBuf {
-    std::env::var_os(PIN_ROOT_ENV)
-        .filter(|v| !v.is_empty())
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(PIN_ROOT))
-}
+use super::KernelError;
 
 fn is_mounted(path: &str, fstype: &str) -> bool {
     fs::read_to_string("/proc/self/mounts").is_ok_and(|m| {
@@ -75,54 +58,10 @@ pub(super) fn raise_memlock() {
     }
 }
 
-fn object_hash(object: &[u8]) -> String {
-    // FNV-1a: only needs to tell object versions apart.
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in object {
-        h ^= *b as u64;
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    format!("{h:016x}")
-}
-
-pub(super) fn pin_error(path: &Path, source: aya::pin::PinError) -> KernelError {
-    KernelError::Pin {
-        path: path.to_path_buf(),
-        source,
-    }
-}
-
-/// The directory for this object's pins; stale directories from other builds are removed
-/// (removing the pinned link detaches the old tracker).
-pub(super) fn prepare_pin_dir() -> Result<PathBuf, KernelError> {
-    let root = pin_root();
-    let dir = root.join(object_hash(OBJECT));
-    fs::create_dir_all(&dir).map_err(|source| KernelError::PinDir {
-        path: dir.clone(),
-        source,
-    })?;
-    if let Ok(entries) = fs::read_dir(&root) {
-        for e in entries.flatten() {
-            if e.path() != dir {
-                tracing::info!(path = %e.path().display(), "removing tracker pinned by another connreap build");
-                let _ = fs::remove_dir_all(e.path());
-            }
-        }
-    }
-    Ok(dir)
-}
-
-/// An exclusive flock held while loading (released on drop). Best effort: without it the load
-/// still works, only the rare simultaneous first load can fail.
+/// An exclusive flock held while loading or changing pins (released on drop). Best effort:
+/// without it the load still works, only the rare simultaneous first load can fail.
 pub(super) fn load_lock() -> Option<fs::File> {
-    let dir = Path::new("/run/lock");
-    let _ = fs::create_dir_all(dir);
-    let f = fs::OpenOptions::new()
-        .create(true)
-        .truncate(false)
-        .write(true)
-        .open(dir.join("connreap.load.lock"))
-        .ok()?;
+    let f = open_load_lock()?;
     // SAFETY: flock on an fd we own.
     if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
         return None;
@@ -130,22 +69,33 @@ pub(super) fn load_lock() -> Option<fs::File> {
     Some(f)
 }
 
-/// Remove every pin (detaches the state tracker). Used by `connreap unpin`.
-pub fn unpin_all() -> std::io::Result<bool> {
-    match fs::remove_dir_all(pin_root()) {
-        Ok(()) => Ok(true),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(false),
-        Err(e) => Err(e),
+/// The load lock is held by another process right now.
+#[derive(Debug)]
+pub(super) struct LockBusy;
+
+/// [`load_lock`] without waiting: a daemon repairing its pins between scans must not stall
+/// its scans behind a slow load elsewhere; it tries again at the next scan.
+pub(super) fn try_load_lock() -> Result<Option<fs::File>, LockBusy> {
+    let Some(f) = open_load_lock() else {
+        return Ok(None);
+    };
+    // SAFETY: flock on an fd we own.
+    if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) } != 0 {
+        return match std::io::Error::last_os_error().raw_os_error() {
+            Some(libc::EWOULDBLOCK) => Err(LockBusy),
+            _ => Ok(None),
+        };
     }
+    Ok(Some(f))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn object_hash_differs_per_content() {
-        assert_ne!(object_hash(b"a"), object_hash(b"b"));
-        assert_eq!(object_hash(b"a").len(), 16);
-    }
+fn open_load_lock() -> Option<fs::File> {
+    let dir = Path::new("/run/lock");
+    let _ = fs::create_dir_all(dir);
+    fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(dir.join("connreap.load.lock"))
+        .ok()
 }

@@ -1,5 +1,6 @@
 //! Kernel memory held by the pinned maps, as the kernel accounts it (`memlock:` in
 //! `/proc/self/fdinfo/<fd>`), for `connreap_bpf_map_memory_bytes`; and other fdinfo fields.
+//! The fds opened here also keep the shared maps for re-pinning them (see `tracker`).
 use std::{
     fs,
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
@@ -29,6 +30,11 @@ impl MapMemory {
             })
             .collect();
         MapMemory { maps }
+    }
+
+    /// The map pinned as `pin`, if it was opened.
+    pub(crate) fn get(&self, pin: &str) -> Option<&MapData> {
+        self.maps.iter().find(|(p, _)| *p == pin).map(|(_, m)| m)
     }
 
     /// Bytes of each map, by pin name (a map whose fdinfo cannot be read is left out).

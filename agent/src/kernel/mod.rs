@@ -7,7 +7,9 @@
 //! `/sys/fs/bpf/connreap/<object-hash>/` (another root with `CONNREAP_PIN_ROOT`, see `host`) so
 //! that socket ages survive agent restarts and one-shot commands like `snapshot` see ages of
 //! sockets created before they ran. A new object (upgrade)
-//! gets a new directory and the stale ones are removed, which detaches the old tracker.
+//! gets a new directory and the stale ones are removed, which detaches the old tracker. Only
+//! what connreap created is ever removed (see `pins`); a load that fails removes the pins it
+//! made; a daemon whose tracker gets unpinned re-attaches it (see `tracker`).
 pub mod destroy;
 pub mod diag;
 pub mod error;
@@ -16,13 +18,18 @@ mod host;
 mod hz;
 mod memory;
 pub mod offsets;
+mod pins;
 pub mod procfs;
 pub mod ring;
+mod too_old;
+mod tracker;
 
 use error::program_error;
 pub use error::{IterError, KernelError};
-pub use host::unpin_all;
-use host::{ensure_mounted, load_lock, pin_error, prepare_pin_dir, raise_memlock};
+use host::{ensure_mounted, load_lock, raise_memlock};
+pub use pins::unpin_all;
+use pins::{clean_failed_load, existing_pins, prepare_pin_dir};
+pub use tracker::TrackerStatus;
 
 use std::{
     collections::HashMap,
@@ -89,6 +96,9 @@ pub struct Kernel {
     iter_tcp: Iter,
     iter_files: Iter,
     memory: memory::MapMemory,
+    /// Whether the tracker is still attached through this process's pins (see `tracker`).
+    tracker: tracker::Watch,
+    verbose: bool,
     /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
     pub hz: u32,
 }
@@ -156,6 +166,15 @@ impl Kernel {
         // pinned maps (the second pin would fail) or remove each other's pins.
         let _lock = load_lock();
         let pin_dir = prepare_pin_dir()?;
+        let before = existing_pins(&pin_dir);
+        Self::load_in(pin_dir.clone(), verbose).inspect_err(|_| {
+            // Whatever failed, the pins this load made go (none are left by a refused program).
+            clean_failed_load(&pin_dir, &before);
+        })
+    }
+
+    /// [`Kernel::load`] once the pin directory is ready (under the load lock).
+    fn load_in(pin_dir: PathBuf, verbose: bool) -> Result<Self, KernelError> {
         let tcp_pin = pin_dir.join("iter_tcp");
         let files_pin = pin_dir.join("iter_task_file");
         let flush_pin = pin_dir.join("flush");
@@ -182,19 +201,22 @@ impl Kernel {
         let from_pin = |path: &Path, prog: &'static str| {
             Iter::from_pin(path).map_err(|e| program_error(verbose, prog, e))
         };
+        let memory = memory::MapMemory::open(&pin_dir);
         Ok(Kernel {
             iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
             iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
             ebpf: maps,
-            memory: memory::MapMemory::open(&pin_dir),
+            tracker: tracker::Watch::new(&memory),
+            memory,
             pin_dir,
+            verbose,
             hz: hz::kernel_hz(),
         })
     }
 
     /// Load the object with offsets from the kernel's BTF, attach and pin the state tracker
     /// (unless alive), load and pin both iterators; keep the maps userspace reads.
-    fn load_object(pin_dir: &Path, verbose: bool) -> Result<Maps, KernelError> {
+    pub(crate) fn load_object(pin_dir: &Path, verbose: bool) -> Result<Maps, KernelError> {
         let offsets = offsets::resolve(Path::new(BTF_PATH))?;
         let mut loader = EbpfLoader::new();
         loader.override_global(names::OFFSETS, &offsets, true);
@@ -217,7 +239,7 @@ impl Kernel {
             it.load(iter_type, &btf)
                 .map_err(|e| program_error(verbose, prog, e))?;
             let _ = fs::remove_file(&pin);
-            it.pin(&pin).map_err(|e| pin_error(&pin, e))?;
+            it.pin(&pin).map_err(KernelError::pin(&pin))?;
         }
         let flush: &mut RawTracePoint = loaded.program(names::PROG_FLUSH)?;
         flush
@@ -225,7 +247,7 @@ impl Kernel {
             .map_err(|e| program_error(verbose, names::PROG_FLUSH, e))?;
         let pin = pin_dir.join("flush");
         let _ = fs::remove_file(&pin);
-        flush.pin(&pin).map_err(|e| pin_error(&pin, e))?;
+        flush.pin(&pin).map_err(KernelError::pin(&pin))?;
         Ok(Maps::from_object(&mut loaded.ebpf))
     }
 }
@@ -289,7 +311,7 @@ impl Loaded {
             Ok(_) => Ok(()),
             // Another connreap pinned its tracker at the same moment: ours detaches on drop.
             Err(_) if PinnedLink::from_pin(link_pin).is_ok() => Ok(()),
-            Err(e) => Err(pin_error(link_pin, e)),
+            Err(e) => Err(KernelError::pin(link_pin)(e)),
         }
     }
 }

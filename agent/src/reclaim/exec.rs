@@ -231,9 +231,7 @@ impl Reclaimer {
         let reading = quotas
             .iter()
             .find(|q| Some(&q.name) == p.quota.as_ref())
-            .and_then(|q| q.last_poll.as_deref())
-            .and_then(|t| DateTime::parse_from_rfc3339(t).ok())
-            .map(|t| t.with_timezone(&Utc));
+            .and_then(|q| q.last_poll);
         if mode.enforces() {
             if let Err(why) = &self.mechanism {
                 mode = Mode::NoMechanism(why.to_string());

@@ -18,14 +18,20 @@ use crate::{
 /// States a policy may act on when it names none.
 pub const DEFAULT_STATES: [TcpState; 2] = [TcpState::Established, TcpState::CloseWait];
 
-/// Does the socket match the policy's selectors (not its thresholds)?
+/// Does the socket match the policy's selectors (not its thresholds)? A socket with no owner
+/// (a connection still in a listener's accept queue, or one whose owner was not found) matches
+/// only a selector that says `unowned = true`, which config validation allows only with a
+/// port: `comm = "?"` (how such sockets are shown) alone never selects them.
 pub fn selected(sel: &Selector, s: &Socket) -> bool {
     let states: &[TcpState] = if sel.states.is_empty() {
         &DEFAULT_STATES
     } else {
         &sel.states
     };
-    states.contains(&s.state)
+    let owner_ok =
+        s.owner.is_some() || (sel.unowned && (sel.local_port.is_some() || sel.peer_port.is_some()));
+    owner_ok
+        && states.contains(&s.state)
         && sel.comm.as_deref().is_none_or(|c| c == s.comm())
         && sel.pid.is_none_or(|p| s.pid() == Some(p))
         && sel
@@ -362,7 +368,7 @@ quota = "relay"
             name: "relay".into(),
             source: "http",
             url: None,
-            last_poll: Some("t".into()),
+            last_poll: Some(chrono::Utc::now()),
             entries: vec![QuotaEntry {
                 port: 21000,
                 used: 64,
@@ -408,5 +414,49 @@ quota = "relay"
         assert!(!sel(&|x| x.local_port = Some(1)));
         assert!(!sel(&|x| x.states = vec![TcpState::Established]));
         assert!(!sel(&|x| x.unit = Some("a.service".into())));
+    }
+
+    #[test]
+    fn unowned_sockets_need_unowned_and_a_port() {
+        // A connection in a listener's accept queue: nobody holds it yet.
+        let mut s = sock(
+            10,
+            "x",
+            "127.0.0.1:7500",
+            "127.0.0.1:40000",
+            TcpState::Established,
+        );
+        s.owner = None;
+        assert_eq!(s.comm(), "?");
+        let sel = |f: &dyn Fn(&mut Selector)| {
+            let mut x = Selector::default();
+            f(&mut x);
+            selected(&x, &s)
+        };
+        assert!(!sel(&|x| x.comm = Some("?".into())));
+        assert!(!sel(&|x| x.local_port = Some(7500)));
+        assert!(!sel(&|x| x.peer = Some("127.0.0.1:40000".parse().unwrap())));
+        assert!(!sel(&|x| {
+            x.comm = Some("?".into());
+            x.unowned = true;
+        }));
+        assert!(sel(&|x| {
+            x.local_port = Some(7500);
+            x.unowned = true;
+        }));
+        assert!(sel(&|x| {
+            x.comm = Some("?".into());
+            x.peer_port = Some(40000);
+            x.unowned = true;
+        }));
+        assert!(!sel(&|x| {
+            x.local_port = Some(7501);
+            x.unowned = true;
+        }));
+        // And a policy that reads `comm = "?"` plans nothing on it.
+        let (p, rc) = policy("trigger = \"always\"\nselect = { comm = \"?\" }\n");
+        let t = vec![s.clone()];
+        let pl = plan(&p, &rc, 999, &t);
+        assert!(pl.targets.is_empty() && pl.skipped.is_empty());
     }
 }

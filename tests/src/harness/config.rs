@@ -141,6 +141,8 @@ pub struct Config {
     protect_ports: Option<Vec<u16>>,
     mechanism: Option<String>,
     webhooks: Vec<String>,
+    alertmanagers: Vec<String>,
+    alerts: Vec<String>,
     quotas: Vec<RelayQuota>,
     policies: Vec<String>,
 }
@@ -158,6 +160,8 @@ impl Config {
             protect_ports: None,
             mechanism: None,
             webhooks: Vec::new(),
+            alertmanagers: Vec::new(),
+            alerts: Vec::new(),
             quotas: Vec::new(),
             policies: Vec::new(),
         }
@@ -197,7 +201,11 @@ impl Config {
         self
     }
 
+    /// `api.token_file`. The file (when it exists) is made private to its owner (mode 0600):
+    /// connreap refuses a token file that group or others can read.
     pub fn token_file(mut self, path: &Path) -> Config {
+        use std::os::unix::fs::PermissionsExt as _;
+        let _ = fs::set_permissions(path, fs::Permissions::from_mode(0o600));
         self.token_file = Some(path.to_path_buf());
         self
     }
@@ -221,6 +229,19 @@ impl Config {
     /// One more `[[webhook]]` with `format = "json"`.
     pub fn webhook(mut self, url: &str) -> Config {
         self.webhooks.push(url.to_string());
+        self
+    }
+
+    /// One more `[[webhook]]` with `format = "alertmanager"` (`url` is Alertmanager's
+    /// `/api/v2/alerts`).
+    pub fn alertmanager(mut self, url: &str) -> Config {
+        self.alertmanagers.push(url.to_string());
+        self
+    }
+
+    /// Lines for `[alerts]`, e.g. `alertmanager_resend = "2s"`.
+    pub fn alerts(mut self, lines: &str) -> Config {
+        self.alerts.push(lines.to_string());
         self
     }
 
@@ -251,8 +272,14 @@ impl fmt::Display for Config {
         if !self.detect.is_empty() {
             writeln!(f, "\n[detect]\n{}", self.detect.join("\n"))?;
         }
+        if self.fast_alerts || !self.alerts.is_empty() {
+            writeln!(f, "\n[alerts]")?;
+        }
         if self.fast_alerts {
-            writeln!(f, "\n[alerts]\nmax_backoff = \"2s\"\ntimeout = \"2s\"")?;
+            writeln!(f, "max_backoff = \"2s\"\ntimeout = \"2s\"")?;
+        }
+        for lines in &self.alerts {
+            writeln!(f, "{lines}")?;
         }
         writeln!(f, "\n[reclaim]")?;
         if let Some(ports) = &self.protect_ports {
@@ -265,6 +292,12 @@ impl fmt::Display for Config {
         writeln!(f, "audit_log = \"{}\"", self.audit.display())?;
         for url in &self.webhooks {
             writeln!(f, "\n[[webhook]]\nurl = \"{url}\"\nformat = \"json\"")?;
+        }
+        for url in &self.alertmanagers {
+            writeln!(
+                f,
+                "\n[[webhook]]\nurl = \"{url}\"\nformat = \"alertmanager\""
+            )?;
         }
         for q in &self.quotas {
             write!(f, "\n{q}")?;

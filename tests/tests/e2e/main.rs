@@ -9,6 +9,7 @@
 //!   the HTTP API serves.
 //! - `reclaim`: reclaim under policy, checked where it has effects (the relay's `/status`, a
 //!   real request through the chain, `ss`, the audit log, the API, the processes).
+//! - `safety`: faults an adversarial operator would try (issue 16) and what connreap does.
 //! - `alerting`: the real Prometheus (Debian's package) scraping the agent with the shipped
 //!   rules.
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
@@ -21,4 +22,5 @@ mod alerting;
 mod daemon;
 mod fixtures_selftest;
 mod reclaim;
+mod safety;
 mod snapshot;

@@ -1,4 +1,5 @@
-//! The agent with the alerting systems operators run: a real Prometheus scraping /metrics with
-//! the shipped rules.
+//! connreap with the real alerting stack users run next to it (Debian packages): Alertmanager
+//! receiving its alerts, Prometheus scraping /metrics with the shipped rules.
 
+mod alertmanager;
 mod prometheus;

@@ -1,0 +1,251 @@
+//! What a parsed configuration must satisfy beyond its types: every value in its range
+//! (`ranges`), sources and policies complete and consistent, the API token usable. A config
+//! that passes runs: nothing here is left for the daemon to trip over.
+use super::{keys::KeyPath, ranges, Config, PolicyConfig, QuotaConfig, Trigger};
+use crate::table::TcpState;
+
+/// A validation failure: where, and what is wrong.
+pub(super) type Invalid = (KeyPath, String);
+
+fn invalid(key: KeyPath, message: impl Into<String>) -> Invalid {
+    (key, message.into())
+}
+
+/// `table.key` at the top of the document.
+fn top(table: &str, key: &str) -> KeyPath {
+    KeyPath::default().key(table).key(key)
+}
+
+/// A count in a usize field.
+fn count(v: usize) -> u64 {
+    u64::try_from(v).unwrap_or(u64::MAX)
+}
+
+pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
+    ranges::SCAN_INTERVAL.top(cfg.agent.scan_interval)?;
+    let d = &cfg.detect;
+    ranges::CLOSE_WAIT_MIN_AGE.top(d.close_wait_min_age)?;
+    ranges::CLOSE_WAIT_THRESHOLD.top(count(d.close_wait_threshold))?;
+    ranges::STUCK_PAIR_MIN_IDLE.top(d.stuck_pair_min_idle)?;
+    ranges::STUCK_PAIR_THRESHOLD.top(count(d.stuck_pair_threshold))?;
+    // A ratio: (0, 1]. NaN fails both comparisons.
+    if !(d.quota_saturation > 0.0 && d.quota_saturation <= 1.0) {
+        return Err(invalid(
+            top("detect", "quota_saturation"),
+            format!("must be in (0, 1] (got {})", d.quota_saturation),
+        ));
+    }
+    ranges::QUOTA_IDLE_MIN.top(d.quota_idle_min)?;
+    ranges::STORM_RATE.top(d.storm_rate)?;
+    ranges::STORM_GROWTH_WINDOWS.top(count(d.storm_growth_windows))?;
+    let a = &cfg.alerts;
+    ranges::REPEAT_INTERVAL.top(a.repeat_interval)?;
+    ranges::RENOTIFY_INTERVAL.top(a.renotify_interval)?;
+    ranges::ALERTMANAGER_RESEND.top(a.alertmanager_resend)?;
+    validate_severity(a)?;
+    ranges::QUEUE_CAPACITY.top(count(a.queue_capacity))?;
+    ranges::MAX_BACKOFF.top(a.max_backoff)?;
+    ranges::ALERTS_TIMEOUT.top(a.timeout)?;
+    super::token::read_token(&cfg.api).map_err(|e| invalid(top("api", "token_file"), e))?;
+    validate_quotas(cfg)?;
+    for (i, w) in cfg.webhook.iter().enumerate() {
+        if !w.url.starts_with("http://") && !w.url.starts_with("https://") {
+            return Err(invalid(
+                KeyPath::default().entry("webhook", i, None).key("url"),
+                format!("`{}` is not an http(s) URL", w.url),
+            ));
+        }
+    }
+    validate_policies(cfg)
+}
+
+/// `[alerts.severity]`: known kinds, the levels Alertmanager routes on.
+fn validate_severity(a: &super::AlertsConfig) -> Result<(), Invalid> {
+    for (kind, level) in &a.severity {
+        let known = crate::detect::Kind::ALL.iter().any(|k| k.as_str() == kind);
+        if !known {
+            return Err(invalid(
+                top("alerts", "severity"),
+                format!("`{kind}` is not a finding kind"),
+            ));
+        }
+        if !["critical", "warning", "info"].contains(&level.as_str()) {
+            return Err(invalid(
+                top("alerts", "severity"),
+                format!("`{kind} = \"{level}\"`: expected critical, warning or info"),
+            ));
+        }
+    }
+    Ok(())
+}
+
+fn validate_quotas(cfg: &Config) -> Result<(), Invalid> {
+    let mut names = std::collections::HashSet::new();
+    for (i, q) in cfg.quota.iter().enumerate() {
+        let entry = KeyPath::default().entry("quota", i, Some(&q.name));
+        if q.name.is_empty() || !names.insert(q.name.as_str()) {
+            return Err(invalid(
+                KeyPath::default().entry("quota", i, None).key("name"),
+                "must be present and unique",
+            ));
+        }
+        match (&q.url, &q.process) {
+            (Some(url), None) => validate_http_quota(&entry, url, q)?,
+            (None, Some(_)) => {
+                if q.peer.is_none() || q.limit.is_none() {
+                    return Err(invalid(
+                        entry.clone().key("peer"),
+                        "static sources need process, peer and limit",
+                    ));
+                }
+            }
+            _ => {
+                return Err(invalid(
+                    entry.clone().key("url"),
+                    "set either url (HTTP JSON source) or process + peer + limit (static source)",
+                ))
+            }
+        }
+        if let Some(limit) = q.limit {
+            ranges::QUOTA_LIMIT.within(&entry, limit)?;
+        }
+        if let Some(p) = q.poll_interval {
+            ranges::POLL_INTERVAL.within(&entry, p)?;
+        }
+        if let Some(t) = q.timeout {
+            ranges::QUOTA_TIMEOUT.within(&entry, t)?;
+        }
+        if let Some(b) = q.max_body {
+            ranges::MAX_BODY.within(&entry, b)?;
+        }
+    }
+    Ok(())
+}
+
+fn validate_http_quota(entry: &KeyPath, url: &str, q: &QuotaConfig) -> Result<(), Invalid> {
+    let key = |k: &str| entry.clone().key(k);
+    if !url.starts_with("http://") && !url.starts_with("https://") {
+        return Err(invalid(
+            key("url"),
+            format!("`{url}` is not an http(s) URL"),
+        ));
+    }
+    let items = q.items.as_deref().unwrap_or("");
+    if !items.is_empty() && !items.starts_with('/') {
+        return Err(invalid(
+            key("items"),
+            "must be a JSON pointer like \"/endpoints\"",
+        ));
+    }
+    if q.port_field.is_none() || q.used_field.is_none() {
+        return Err(invalid(
+            key("port_field"),
+            "HTTP sources need port_field and used_field",
+        ));
+    }
+    if q.limit_field.is_none() && q.limit.is_none() {
+        return Err(invalid(
+            key("limit_field"),
+            "set limit_field or a fixed limit",
+        ));
+    }
+    for k in q.port_map.keys() {
+        if k.parse::<u16>().is_err() {
+            return Err(invalid(key("port_map"), format!("`{k}` is not a port")));
+        }
+    }
+    Ok(())
+}
+
+fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
+    let mut names = std::collections::HashSet::new();
+    for (i, p) in cfg.policy.iter().enumerate() {
+        let entry = KeyPath::default().entry("policy", i, Some(&p.name));
+        let key = |k: &str| entry.clone().key(k);
+        if p.name.is_empty() || !names.insert(p.name.as_str()) {
+            return Err(invalid(
+                KeyPath::default().entry("policy", i, None).key("name"),
+                "must be present and unique",
+            ));
+        }
+        validate_selector(&entry, p)?;
+        if p.trigger == Trigger::QuotaSaturated {
+            match &p.quota {
+                None => {
+                    return Err(invalid(
+                        key("quota"),
+                        "trigger = \"quota-saturated\" needs a quota name",
+                    ))
+                }
+                Some(q) if !cfg.quota.iter().any(|c| &c.name == q) => {
+                    return Err(invalid(key("quota"), format!("no [[quota]] named `{q}`")))
+                }
+                _ => {}
+            }
+        }
+        if let Some(d) = p.min_idle {
+            ranges::MIN_IDLE.within(&entry, d)?;
+        }
+        if let Some(d) = p.min_age {
+            ranges::MIN_AGE.within(&entry, d)?;
+        }
+        ranges::MAX_PER_ROUND.within(&entry, count(p.max_per_round))?;
+    }
+    Ok(())
+}
+
+fn validate_selector(entry: &KeyPath, p: &PolicyConfig) -> Result<(), Invalid> {
+    let select = entry.clone().key("select");
+    let s = &p.select;
+    if s.comm.is_none()
+        && s.pid.is_none()
+        && s.unit.is_none()
+        && s.local_port.is_none()
+        && s.peer_port.is_none()
+        && s.peer.is_none()
+    {
+        return Err(invalid(
+            select,
+            "selects nothing specific: name at least one of comm, pid, unit, local_port, peer_port, peer",
+        ));
+    }
+    if s.states.contains(&TcpState::Listen) {
+        return Err(invalid(
+            select.key("states"),
+            "LISTEN sockets are never reclaimed",
+        ));
+    }
+    // Sockets with no owner (e.g. connections still in a listener's accept queue) are only
+    // reclaimed by a policy that says so and names their port.
+    if s.unowned && s.local_port.is_none() && s.peer_port.is_none() {
+        return Err(invalid(
+            select.key("unowned"),
+            "unowned = true needs local_port or peer_port: sockets with no owner are only \
+             reclaimed on a port the policy names",
+        ));
+    }
+    Ok(())
+}
+
+/// What is allowed but probably not meant, one message each (logged by `run` as warnings and
+/// printed by `check-config`).
+pub fn warnings(cfg: &Config) -> Vec<String> {
+    let mut out = Vec::new();
+    if !cfg.api.token_file.is_empty() && !cfg.agent.listen.ip().is_loopback() {
+        out.push(format!(
+            "agent.listen {} is not a loopback address and api.token_file is set: \
+             POST /v1/reclaim (which closes connections) is reachable from the network",
+            cfg.agent.listen
+        ));
+    }
+    for p in &cfg.policy {
+        if p.select.comm.as_deref() == Some("?") && !p.select.unowned {
+            out.push(format!(
+                "policy {}: select.comm = \"?\" matches no socket without an owner \
+                 (that needs select.unowned = true and a port)",
+                p.name
+            ));
+        }
+    }
+    out
+}
