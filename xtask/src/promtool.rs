@@ -70,10 +70,12 @@ pub fn check_rules() -> Result<()> {
 /// `promtool check metrics`.
 pub fn check_live_metrics() -> Result<()> {
     let (_lock, _) = sys::e2e_lock(Duration::from_secs(600))?;
+    let t0 = std::time::Instant::now();
     let ns = sys::NetNs::new("promtool")?;
     let dir = std::env::temp_dir().join(format!("connreap-promtool-{}", std::process::id()));
     std::fs::create_dir_all(&dir)?;
     let result = scrape_and_check(&ns.handle(), &dir);
+    eprintln!("xtask: live /metrics check took {:.1?}", t0.elapsed());
     if result.is_ok() {
         let _ = std::fs::remove_dir_all(&dir);
     } else {
