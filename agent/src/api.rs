@@ -131,13 +131,19 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     (code, Json(body)).into_response()
 }
 
-async fn metrics(State(st): State<Arc<AppState>>) -> Response {
+/// OpenMetrics, or the Prometheus text format when the scraper's `Accept` prefers it.
+async fn metrics(State(st): State<Arc<AppState>>, headers: axum::http::HeaderMap) -> Response {
+    // Several Accept headers are one list (RFC 9110 5.3).
+    let accept: Vec<&str> = headers
+        .get_all(header::ACCEPT)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .collect();
+    let accept = (!accept.is_empty()).then(|| accept.join(","));
+    let format = crate::metrics::Format::negotiate(accept.as_deref());
     (
-        [(
-            header::CONTENT_TYPE,
-            "application/openmetrics-text; version=1.0.0; charset=utf-8",
-        )],
-        st.metrics.render(),
+        [(header::CONTENT_TYPE, format.content_type())],
+        st.metrics.render(format),
     )
         .into_response()
 }

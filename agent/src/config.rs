@@ -79,6 +79,8 @@ pub struct AgentConfig {
     pub scan_interval: Duration,
     /// Host name reported in alerts; empty means the kernel's host name.
     pub host: String,
+    /// Log lines on stderr: "text" or "json" (`--log-format` overrides).
+    pub log_format: crate::logging::LogFormat,
 }
 
 impl Default for AgentConfig {
@@ -88,6 +90,7 @@ impl Default for AgentConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 9477)),
             scan_interval: Duration::from_secs(5),
             host: String::new(),
+            log_format: crate::logging::LogFormat::Text,
         }
     }
 }

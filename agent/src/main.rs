@@ -7,6 +7,7 @@ mod detect;
 mod docs;
 mod engine;
 mod kernel;
+mod logging;
 mod metrics;
 mod notify;
 mod poller;
@@ -31,6 +32,10 @@ struct Cli {
     /// More logging; on load failures, include the BPF verifier log.
     #[arg(short, long, global = true)]
     verbose: bool,
+    /// Log lines on stderr as text (key=value) or json; default: the config's
+    /// `agent.log_format`, else text.
+    #[arg(long, global = true, value_enum)]
+    log_format: Option<logging::LogFormat>,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -74,21 +79,6 @@ enum Cmd {
     GenerateDocs(docs::Args),
 }
 
-fn init_tracing(verbose: bool) {
-    let default = if verbose {
-        "connreap=debug"
-    } else {
-        "connreap=info"
-    };
-    let filter = tracing_subscriber::EnvFilter::try_from_default_env()
-        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default));
-    tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
-}
-
 fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow::Result<()> {
     let filter = filter.parse()?;
     let t0 = std::time::Instant::now();
@@ -127,19 +117,10 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
 
 fn run(
     verbose: bool,
-    path: Option<&std::path::Path>,
+    mut cfg: config::Config,
+    source: String,
     listen_ip: Option<std::net::IpAddr>,
 ) -> anyhow::Result<ExitCode> {
-    let (mut cfg, source) = match config::load_default(path) {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!(
-                "connreap: invalid configuration: {:#}",
-                anyhow::Error::new(e)
-            );
-            return Ok(ExitCode::from(config::EX_CONFIG));
-        }
-    };
     if let Some(ip) = listen_ip {
         cfg.agent.listen.set_ip(ip);
     }
@@ -252,29 +233,66 @@ fn main() -> ExitCode {
         libc::mallopt(libc::M_TRIM_THRESHOLD, 1024 * 1024);
     }
     let cli = Cli::parse();
-    init_tracing(cli.verbose);
     let result = match &cli.cmd {
-        Cmd::Run { config, listen_ip } => match run(cli.verbose, config.as_deref(), *listen_ip) {
-            Ok(code) => return code,
-            Err(e) => Err(e),
-        },
+        Cmd::Run { config, listen_ip } => with_config(&cli, config.as_deref(), |cfg, source| {
+            run(cli.verbose, cfg, source, *listen_ip)
+        }),
         Cmd::Reclaim {
             policy,
             dry_run,
             config,
-        } => match config::load_default(config.as_deref()) {
-            Ok((cfg, _)) => match reclaim_once(cli.verbose, &cfg, policy, *dry_run) {
-                Ok(code) => return code,
-                Err(e) => Err(e),
-            },
-            Err(e) => {
-                eprintln!(
-                    "connreap: invalid configuration: {:#}",
-                    anyhow::Error::new(e)
-                );
-                return ExitCode::from(config::EX_CONFIG);
-            }
-        },
+        } => with_config(&cli, config.as_deref(), |cfg, _| {
+            reclaim_once(cli.verbose, &cfg, policy, *dry_run)
+        }),
+        cmd => {
+            init_logging(&cli, None);
+            other_command(cli.verbose, cmd)
+        }
+    };
+    match result {
+        Ok(code) => code,
+        // `connreap snapshot | head`: the reader stopped reading; nothing went wrong here.
+        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("connreap: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+/// Logging on stderr in the format `--log-format` names, else the config's, else text.
+fn init_logging(cli: &Cli, cfg: Option<&config::Config>) {
+    let format = cli
+        .log_format
+        .or(cfg.map(|c| c.agent.log_format))
+        .unwrap_or_default();
+    logging::init(cli.verbose, logging::Options::for_stderr(format));
+}
+
+/// Load the config (exit 78 when it is invalid), start logging as it says and run `f` with it.
+fn with_config(
+    cli: &Cli,
+    path: Option<&std::path::Path>,
+    f: impl FnOnce(config::Config, String) -> anyhow::Result<ExitCode>,
+) -> anyhow::Result<ExitCode> {
+    match config::load_default(path) {
+        Ok((cfg, source)) => {
+            init_logging(cli, Some(&cfg));
+            f(cfg, source)
+        }
+        Err(e) => {
+            eprintln!(
+                "connreap: invalid configuration: {:#}",
+                anyhow::Error::new(e)
+            );
+            Ok(ExitCode::from(config::EX_CONFIG))
+        }
+    }
+}
+
+/// The commands that need no config.
+fn other_command(verbose: bool, cmd: &Cmd) -> anyhow::Result<ExitCode> {
+    let done = match cmd {
         Cmd::CheckConfig { path } => match config::load(path) {
             Ok(c) => {
                 for w in config::warnings(&c) {
@@ -294,10 +312,10 @@ fn main() -> ExitCode {
                     "connreap: invalid configuration: {:#}",
                     anyhow::Error::new(e)
                 );
-                return ExitCode::from(config::EX_CONFIG);
+                return Ok(ExitCode::from(config::EX_CONFIG));
             }
         },
-        Cmd::Snapshot { filter, json } => snapshot(cli.verbose, filter, *json),
+        Cmd::Snapshot { filter, json } => snapshot(verbose, filter, *json),
         Cmd::Unpin => kernel::unpin_all()
             .map(|removed| {
                 eprintln!(
@@ -311,16 +329,10 @@ fn main() -> ExitCode {
             })
             .map_err(Into::into),
         Cmd::GenerateDocs(args) => docs::generate(<Cli as clap::CommandFactory>::command(), args),
+        // Handled by `main` with their config.
+        Cmd::Run { .. } | Cmd::Reclaim { .. } => Ok(()),
     };
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        // `connreap snapshot | head`: the reader stopped reading; nothing went wrong here.
-        Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
-        Err(e) => {
-            eprintln!("connreap: {e:#}");
-            ExitCode::FAILURE
-        }
-    }
+    done.map(|()| ExitCode::SUCCESS)
 }
 
 /// Whether `e` is a write to a pipe whose reader has gone.

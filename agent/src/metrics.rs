@@ -1,14 +1,22 @@
-//! Prometheus metrics (prometheus-client, OpenMetrics text on GET /metrics).
-use std::sync::{
-    atomic::{AtomicU64, Ordering},
-    Mutex,
+//! Prometheus metrics (prometheus-client) on GET /metrics, in OpenMetrics or the Prometheus
+//! text format as the scraper asks ([`exposition`]).
+mod exposition;
+
+use std::{
+    collections::HashMap,
+    sync::{
+        atomic::{AtomicU64, Ordering},
+        Mutex,
+    },
 };
 
 use prometheus_client::{
     encoding::{text::encode, EncodeLabelSet},
-    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram},
+    metrics::{counter::Counter, family::Family, gauge::Gauge, histogram::Histogram, info::Info},
     registry::Registry,
 };
+
+pub use exposition::Format;
 
 use crate::{detect::Finding, kernel::Counters, table::Socket};
 
@@ -24,9 +32,22 @@ pub struct KindLabels {
     pub kind: String,
 }
 
+/// One webhook receiver (its URL without credentials or query) and, for sends, the result.
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResultLabels {
+pub struct WebhookLabels {
+    pub receiver: String,
     pub result: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReceiverLabels {
+    pub receiver: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: String,
+    pub commit: String,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -62,18 +83,26 @@ pub struct Metrics {
     pub events_read: Counter,
     pub batches_flushed: Counter,
     pub flush_busy: Counter,
-    webhook_sends: Family<ResultLabels, Counter>,
-    pub webhook_dropped: Counter,
+    webhook_sends: Family<WebhookLabels, Counter>,
+    webhook_dropped: Family<ReceiverLabels, Counter>,
     pub scan_duration: Histogram,
     pub scan_errors: Counter,
     pub audit_errors: Counter,
     pub reclaims: Family<ReclaimLabels, Counter>,
     pub reclaim_mechanism: Family<MechanismLabels, Gauge>,
-    program_run_ns: Family<ProgramLabels, Gauge>,
-    program_runs: Family<ProgramLabels, Gauge>,
-    program_recursion_misses: Family<ProgramLabels, Gauge>,
+    program_run_seconds: Family<ProgramLabels, Counter<f64, AtomicU64>>,
+    program_runs: Family<ProgramLabels, Counter>,
+    program_recursion_misses: Family<ProgramLabels, Counter>,
+    /// The kernel's cumulative program statistics at the last observation, by program.
+    last_programs: Mutex<HashMap<&'static str, crate::kernel::ProgramStats>>,
     scans: AtomicU64,
 }
+
+/// `connreap_build_info`'s commit: `CONNREAP_COMMIT` at build time, when the build sets it.
+const COMMIT: &str = match option_env!("CONNREAP_COMMIT") {
+    Some(c) => c,
+    None => "unknown",
+};
 
 impl Default for Metrics {
     fn default() -> Self {
@@ -97,7 +126,7 @@ impl Metrics {
             batches_flushed: Counter::default(),
             flush_busy: Counter::default(),
             webhook_sends: Family::default(),
-            webhook_dropped: Counter::default(),
+            webhook_dropped: Family::default(),
             scan_duration: Histogram::new([
                 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
             ]),
@@ -105,9 +134,10 @@ impl Metrics {
             audit_errors: Counter::default(),
             reclaims: Family::default(),
             reclaim_mechanism: Family::default(),
-            program_run_ns: Family::default(),
+            program_run_seconds: Family::default(),
             program_runs: Family::default(),
             program_recursion_misses: Family::default(),
+            last_programs: Mutex::new(HashMap::new()),
             scans: AtomicU64::new(0),
         };
         m.register(&mut registry);
@@ -117,6 +147,14 @@ impl Metrics {
     /// Every series under its name and help text.
     fn register(&self, registry: &mut Registry) {
         let m = self;
+        registry.register(
+            "build",
+            "Version and commit of this agent (always 1)",
+            Info::new(BuildLabels {
+                version: env!("CARGO_PKG_VERSION").to_string(),
+                commit: COMMIT.to_string(),
+            }),
+        );
         registry.register(
             "sockets",
             "TCP sockets by state, owner command and service port",
@@ -160,12 +198,12 @@ impl Metrics {
         );
         registry.register(
             "webhook_sends",
-            "Webhook delivery attempts by result",
+            "Webhook delivery attempts by receiver and result",
             m.webhook_sends.clone(),
         );
         registry.register(
             "webhook_dropped",
-            "Notifications dropped because a webhook queue was full",
+            "Notifications dropped because the receiver's queue was full",
             m.webhook_dropped.clone(),
         );
         registry.register(
@@ -190,18 +228,18 @@ impl Metrics {
             m.reclaim_mechanism.clone(),
         );
         registry.register(
-            "bpf_program_run_time_ns",
-            "Cumulative run time of each BPF program in ns (counts only while kernel.bpf_stats_enabled=1)",
-            m.program_run_ns.clone(),
+            "bpf_program_run_time_seconds",
+            "Run time of each BPF program (counts only while kernel.bpf_stats_enabled=1)",
+            m.program_run_seconds.clone(),
         );
         registry.register(
             "bpf_program_runs",
-            "Cumulative runs of each BPF program (counts only while kernel.bpf_stats_enabled=1)",
+            "Runs of each BPF program (counts only while kernel.bpf_stats_enabled=1)",
             m.program_runs.clone(),
         );
         registry.register(
             "bpf_program_recursion_misses",
-            "Cumulative runs of each BPF program the kernel skipped because it was already running on that CPU; for the state tracker, transitions whose socket then shows a lower-bound age",
+            "Runs of each BPF program the kernel skipped because it was already running on that CPU; for the state tracker, transitions whose socket then shows a lower-bound age",
             m.program_recursion_misses.clone(),
         );
     }
@@ -258,20 +296,33 @@ impl Metrics {
         *last = now;
     }
 
+    /// The kernel's program statistics are cumulative since each program was loaded (and
+    /// survive agent restarts, like the pinned tracker); export their increase. A value below
+    /// the last one means the program was loaded again: its counts started over.
     pub fn observe_programs(&self, stats: &[crate::kernel::ProgramStats]) {
+        let mut last = self.last_programs.lock().unwrap_or_else(|e| e.into_inner());
         for s in stats {
             let l = ProgramLabels {
                 program: s.program.to_string(),
             };
-            self.program_run_ns
+            let before = last.get(s.program);
+            let grew = |now: u64, then: Option<u64>| match then {
+                Some(then) if now >= then => now - then,
+                _ => now,
+            };
+            let run_ns = grew(s.run_time_ns, before.map(|b| b.run_time_ns));
+            let runs = grew(s.run_count, before.map(|b| b.run_count));
+            let misses = s
+                .recursion_misses
+                .map(|n| grew(n, before.and_then(|b| b.recursion_misses)));
+            self.program_run_seconds
                 .get_or_create(&l)
-                .set(s.run_time_ns as i64);
-            self.program_runs.get_or_create(&l).set(s.run_count as i64);
-            if let Some(n) = s.recursion_misses {
-                self.program_recursion_misses
-                    .get_or_create(&l)
-                    .set(n as i64);
+                .inc_by(run_ns as f64 / 1e9);
+            self.program_runs.get_or_create(&l).inc_by(runs);
+            if let Some(n) = misses {
+                self.program_recursion_misses.get_or_create(&l).inc_by(n);
             }
+            last.insert(s.program, s.clone());
         }
     }
 
@@ -287,20 +338,50 @@ impl Metrics {
         }
     }
 
-    pub fn webhook_sent(&self, ok: bool) {
+    /// Create a receiver's series at zero, so rates over them exist before the first send.
+    pub fn webhook_receiver(&self, receiver: &str) {
+        for result in ["ok", "error"] {
+            self.webhook_sends
+                .get_or_create(&WebhookLabels {
+                    receiver: receiver.to_string(),
+                    result: result.to_string(),
+                })
+                .inc_by(0);
+        }
+        self.webhook_dropped
+            .get_or_create(&ReceiverLabels {
+                receiver: receiver.to_string(),
+            })
+            .inc_by(0);
+    }
+
+    pub fn webhook_sent(&self, receiver: &str, ok: bool) {
         self.webhook_sends
-            .get_or_create(&ResultLabels {
+            .get_or_create(&WebhookLabels {
+                receiver: receiver.to_string(),
                 result: if ok { "ok" } else { "error" }.into(),
             })
             .inc();
     }
 
-    pub fn render(&self) -> String {
+    pub fn webhook_dropped(&self, receiver: &str) {
+        self.webhook_dropped
+            .get_or_create(&ReceiverLabels {
+                receiver: receiver.to_string(),
+            })
+            .inc();
+    }
+
+    /// Every series in `format`.
+    pub fn render(&self, format: Format) -> String {
         let mut out = String::new();
         if encode(&mut out, &self.registry).is_err() {
             out.clear();
         }
-        out
+        match format {
+            Format::OpenMetrics => out,
+            Format::Prometheus => exposition::to_prometheus(&out),
+        }
     }
 }
 
@@ -331,8 +412,10 @@ mod tests {
             map_full: 0,
             map_memory: vec![("state", 31_458_464), ("events", 4_223_304)],
         });
-        m.webhook_sent(false);
-        let text = m.render();
+        let hook = "http://127.0.0.1:9999/alerts";
+        m.webhook_receiver(hook);
+        m.webhook_sent(hook, false);
+        let text = m.render(Format::OpenMetrics);
         assert!(
             text.contains(
                 r#"connreap_sockets{state="CLOSE_WAIT",comm="java",service_port="80"} 1"#
@@ -345,8 +428,69 @@ mod tests {
             "{text}"
         );
         assert!(
-            text.contains(r#"connreap_webhook_sends_total{result="error"} 1"#),
+            text.contains(r#"connreap_webhook_sends_total{receiver="http://127.0.0.1:9999/alerts",result="error"} 1"#),
             "{text}"
         );
+        // Created at zero with the receiver, before anything was sent or dropped.
+        assert!(
+            text.contains(r#"connreap_webhook_sends_total{receiver="http://127.0.0.1:9999/alerts",result="ok"} 0"#),
+            "{text}"
+        );
+        assert!(
+            text.contains(
+                r#"connreap_webhook_dropped_total{receiver="http://127.0.0.1:9999/alerts"} 0"#
+            ),
+            "{text}"
+        );
+        assert!(text.ends_with("# EOF\n"), "{text}");
+    }
+
+    #[test]
+    fn build_info_names_version_and_commit() {
+        let m = Metrics::new();
+        let line = format!(
+            r#"connreap_build_info{{version="{}",commit="{COMMIT}"}} 1"#,
+            env!("CARGO_PKG_VERSION")
+        );
+        let om = m.render(Format::OpenMetrics);
+        assert!(om.contains("# TYPE connreap_build info\n"), "{om}");
+        assert!(om.contains(&line), "{om}");
+        let text = m.render(Format::Prometheus);
+        assert!(
+            text.contains("# TYPE connreap_build_info gauge\n"),
+            "{text}"
+        );
+        assert!(text.contains(&line), "{text}");
+        assert!(!text.contains("# EOF"), "{text}");
+    }
+
+    /// The kernel's cumulative program statistics become counters of their increase, the run
+    /// time in seconds; a reloaded program (counts lower than before) starts over.
+    #[test]
+    fn program_stats_are_counters_in_seconds() {
+        let m = Metrics::new();
+        let stats = |ns: u64, runs: u64, misses: u64| {
+            vec![crate::kernel::ProgramStats {
+                program: "connreap_set_state",
+                run_time_ns: ns,
+                run_count: runs,
+                recursion_misses: Some(misses),
+            }]
+        };
+        m.observe_programs(&stats(1_500_000_000, 10, 1));
+        m.observe_programs(&stats(2_000_000_000, 30, 1));
+        m.observe_programs(&stats(250_000_000, 5, 0));
+        let text = m.render(Format::Prometheus);
+        let l = r#"{program="connreap_set_state"}"#;
+        for want in [
+            format!("connreap_bpf_program_run_time_seconds_total{l} 2.25\n"),
+            format!("connreap_bpf_program_runs_total{l} 35\n"),
+            format!("connreap_bpf_program_recursion_misses_total{l} 1\n"),
+            "# TYPE connreap_bpf_program_run_time_seconds_total counter\n".to_string(),
+            "# TYPE connreap_bpf_program_runs_total counter\n".to_string(),
+        ] {
+            assert!(text.contains(&want), "{want:?} in\n{text}");
+        }
+        assert!(!text.contains("run_time_ns"), "{text}");
     }
 }

@@ -1,6 +1,8 @@
 //! Webhook delivery: one bounded queue and one sender task per receiver, in order, retried with
 //! exponential backoff while the receiver is down. When a queue is full the oldest
 //! notification is dropped, counted and logged: nothing is lost silently.
+mod receiver;
+
 use std::{
     collections::VecDeque,
     sync::{Arc, Mutex},
@@ -148,6 +150,8 @@ struct Queue {
     items: Mutex<VecDeque<Item>>,
     notify: Notify,
     capacity: usize,
+    /// The receiver's name in logs and metrics ([`receiver::name`]).
+    receiver: String,
 }
 
 /// Handle to every receiver's queue.
@@ -178,15 +182,18 @@ impl Webhooks {
                 items: Mutex::new(VecDeque::new()),
                 notify: Notify::new(),
                 capacity: alerts.queue_capacity,
+                receiver: receiver::name(&cfg.url),
             });
+            metrics.webhook_receiver(&q.receiver);
             let sender = deliver(
                 client.clone(),
                 cfg.url.clone(),
                 q.clone(),
                 alerts.max_backoff,
+                alerts.timeout,
                 metrics.clone(),
             );
-            tasks.spawn(format!("webhook sender {}", cfg.url), sender);
+            tasks.spawn(format!("webhook sender {}", q.receiver), sender);
             receivers.push((cfg.clone(), q));
         }
         Webhooks {
@@ -210,11 +217,11 @@ impl Webhooks {
                 body,
                 key: n.key().to_string(),
             };
-            self.enqueue(cfg, q, item);
+            self.enqueue(q, item);
         }
     }
 
-    fn enqueue(&self, cfg: &WebhookConfig, q: &Queue, item: Item) {
+    fn enqueue(&self, q: &Queue, item: Item) {
         let dropped = {
             let mut items = q.items.lock().unwrap_or_else(|e| e.into_inner());
             items.push_back(item);
@@ -225,10 +232,10 @@ impl Webhooks {
             }
         };
         if let Some(d) = dropped {
-            tracing::error!(url = %cfg.url, capacity = q.capacity, dropped = %d.key,
+            tracing::error!(receiver = %q.receiver, capacity = q.capacity, dropped = %d.key,
                 "webhook queue full: dropped the oldest notification");
             if let Some(m) = &self.metrics {
-                m.webhook_dropped.inc();
+                m.webhook_dropped(&q.receiver);
             }
         }
         q.notify.notify_one();
@@ -268,6 +275,7 @@ async fn deliver(
     url: String,
     q: Arc<Queue>,
     max_backoff: Duration,
+    timeout: Duration,
     metrics: Arc<Metrics>,
 ) {
     let mut backoff = MIN_BACKOFF;
@@ -280,7 +288,7 @@ async fn deliver(
         let result = client.post(&url).json(&item.body).send().await;
         match result {
             Ok(resp) if resp.status().is_success() => {
-                metrics.webhook_sent(true);
+                metrics.webhook_sent(&q.receiver, true);
                 if let Ok(mut items) = q.items.lock() {
                     // Pop only if the head is still ours (it may have been dropped meanwhile).
                     if items.front() == Some(&item) {
@@ -290,12 +298,13 @@ async fn deliver(
                 backoff = MIN_BACKOFF;
             }
             other => {
-                metrics.webhook_sent(false);
+                metrics.webhook_sent(&q.receiver, false);
                 let why = match other {
-                    Ok(resp) => format!("HTTP {}", resp.status()),
-                    Err(e) => e.to_string(),
+                    Ok(resp) => receiver::Failure::status(resp.status()),
+                    Err(e) => receiver::Failure::error(&e, timeout),
                 };
-                tracing::warn!(%url, error = %why, retry_in = ?backoff, "webhook delivery failed; will retry");
+                tracing::warn!(receiver = %q.receiver, cause = %why.cause, error = why.detail.as_deref(),
+                    retry_in = ?backoff, "webhook delivery failed; will retry");
                 tokio::time::sleep(backoff).await;
                 backoff = next_backoff(backoff, max_backoff);
             }

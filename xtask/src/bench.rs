@@ -6,7 +6,7 @@
 //! `bench-worker holder`), CLOSE_WAIT groups and a webhook receiver. It holds the e2e tests' lock
 //! (both use the host-wide pinned tracker, which the bench unpins), and every change it makes
 //! (namespaces, processes, kernel.bpf_stats_enabled, the pinned tracker) is undone by a guard.
-mod agent;
+pub(crate) mod agent;
 mod footprint;
 mod load;
 mod measure;
@@ -16,7 +16,7 @@ mod proc;
 mod profile;
 mod report;
 mod scale;
-mod sys;
+pub(crate) mod sys;
 
 use std::{
     path::{Path, PathBuf},
@@ -128,7 +128,7 @@ Before measuring, it runs until the namespace's TIME_WAIT table is at its cap \
 (net.ipv4.tcp_max_tw_buckets), the steady state of a busy server.
 
 1. **Probe cost**: `kernel.bpf_stats_enabled=1` for the windows only (restored after). \
-`connreap_bpf_program_run_time_ns` and `connreap_bpf_program_runs` from the daemon's /metrics, read \
+`connreap_bpf_program_run_time_seconds_total` and `connreap_bpf_program_runs_total` from the daemon's /metrics, read \
 after a scan before the load and after the second scan after it; avg = Δrun_time / Δruns. Window A \
 (judged): the daemon scans an empty namespace every 1 s, so only the churn runs in the churn's \
 namespace. Window B: the daemon runs in the churn's namespace at the default 5 s interval (its \

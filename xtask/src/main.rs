@@ -4,6 +4,7 @@
 mod bench;
 mod debtest;
 mod dist;
+mod promtool;
 mod setup;
 mod shipcheck;
 mod vmtest;
@@ -192,7 +193,7 @@ fn verify_unit() -> Result<()> {
 
 fn main() -> Result<()> {
     match Cli::parse().cmd {
-        Cmd::Setup => setup::install(),
+        Cmd::Setup => setup::install().and_then(|()| promtool::ensure().map(drop)),
         Cmd::BuildEbpf => build_ebpf(),
         Cmd::Build => build_agent(),
         Cmd::Run { args } => {
@@ -217,6 +218,10 @@ fn main() -> Result<()> {
             verify_unit()?;
             shipcheck::security()?;
             shipcheck::manifests()?;
+            let promtool = promtool::ensure()?;
+            if promtool {
+                promtool::check_rules()?;
+            }
             if unit_only {
                 return Ok(());
             }
@@ -228,6 +233,9 @@ fn main() -> Result<()> {
                 .args(&args)
                 .env("CONNREAP_BIN", agent_bin());
             run(&mut cmd)?;
+            if promtool {
+                promtool::check_live_metrics()?;
+            }
             // The kernel matrix under QEMU (skipped when CONNREAP_SKIP_VMTEST=1).
             vmtest::from_test()?;
             // The .deb installed, used, reinstalled and purged on this machine.

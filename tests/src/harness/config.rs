@@ -135,6 +135,7 @@ pub struct Config {
     audit: PathBuf,
     scan_interval: String,
     host: Option<String>,
+    log_format: Option<String>,
     token_file: Option<PathBuf>,
     detect: Vec<String>,
     fast_alerts: bool,
@@ -154,6 +155,7 @@ impl Config {
             audit: dir.path("audit.jsonl"),
             scan_interval: "1s".to_string(),
             host: None,
+            log_format: None,
             token_file: None,
             detect: Vec::new(),
             fast_alerts: false,
@@ -204,6 +206,12 @@ impl Config {
     /// Lines for `[detect]`, e.g. `close_wait_threshold = 4` (several separated by newlines).
     pub fn detect(mut self, lines: &str) -> Config {
         self.detect.push(lines.to_string());
+        self
+    }
+
+    /// `agent.log_format` (`text` or `json`).
+    pub fn log_format(mut self, format: &str) -> Config {
+        self.log_format = Some(format.to_string());
         self
     }
 
@@ -272,6 +280,9 @@ impl fmt::Display for Config {
         )?;
         if let Some(host) = &self.host {
             writeln!(f, "host = \"{host}\"")?;
+        }
+        if let Some(format) = &self.log_format {
+            writeln!(f, "log_format = \"{format}\"")?;
         }
         if let Some(token) = &self.token_file {
             writeln!(f, "\n[api]\ntoken_file = \"{}\"", token.display())?;

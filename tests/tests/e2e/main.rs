@@ -14,6 +14,8 @@
 //! - `safety`: faults reproduced for real (issue 16: a full or read-only audit filesystem, API
 //!   floods, a second daemon, SIGTERM mid-request, lying quota sources, absurd configs, pins
 //!   removed or foreign) and what connreap does about them.
+//! - `alerting`: the real Prometheus (Debian's package) scraping the agent with the shipped
+//!   rules.
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
 //!   `netns_variants`).
 //!

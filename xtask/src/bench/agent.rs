@@ -144,9 +144,10 @@ impl Scrape {
     pub fn program(&self, prog: &str) -> (f64, f64) {
         let l = format!("program=\"{prog}\"");
         (
-            self.get("connreap_bpf_program_run_time_ns", Some(&l))
-                .unwrap_or(0.0),
-            self.get("connreap_bpf_program_runs", Some(&l))
+            self.get("connreap_bpf_program_run_time_seconds_total", Some(&l))
+                .unwrap_or(0.0)
+                * 1e9,
+            self.get("connreap_bpf_program_runs_total", Some(&l))
                 .unwrap_or(0.0),
         )
     }
@@ -414,11 +415,13 @@ mod tests {
     fn parses_openmetrics() {
         let s = Scrape::parse(
             "# HELP x y\nconnreap_scan_duration_seconds_count 3\n\
-             connreap_bpf_program_run_time_ns{program=\"connreap_set_state\"} 1200\n\
-             connreap_bpf_program_runs{program=\"connreap_set_state\"} 4\n# EOF\n",
+             connreap_bpf_program_run_time_seconds_total{program=\"connreap_set_state\"} 0.0000012\n\
+             connreap_bpf_program_runs_total{program=\"connreap_set_state\"} 4\n# EOF\n",
         );
         assert_eq!(s.scans(), 3.0);
-        assert_eq!(s.program("connreap_set_state"), (1200.0, 4.0));
+        let (ns, runs) = s.program("connreap_set_state");
+        assert!((ns - 1200.0).abs() < 1e-6, "{ns}");
+        assert_eq!(runs, 4.0);
         assert_eq!(s.program("connreap_iter_tcp"), (0.0, 0.0));
     }
 

@@ -1,3 +1,5 @@
-//! connreap with the real alerting stack users run next to it (Debian packages).
+//! connreap with the real alerting stack users run next to it (Debian packages): Alertmanager
+//! receiving its alerts, Prometheus scraping /metrics with the shipped rules.
 
 mod alertmanager;
+mod prometheus;

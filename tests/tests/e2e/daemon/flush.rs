@@ -63,7 +63,7 @@ fn a_few_transitions_reach_the_daemon_without_waiting_for_a_full_batch() {
         assert!(bytes >= at_least as f64, "{series} = {bytes}");
     }
     // So are transitions the kernel skipped (a tracker run nested in another on one CPU).
-    let misses = r#"connreap_bpf_program_recursion_misses{program="connreap_set_state"}"#;
+    let misses = r#"connreap_bpf_program_recursion_misses_total{program="connreap_set_state"}"#;
     assert!(
         agent.metric(misses).is_some_and(|n| n >= 0.0),
         "{misses} missing from /metrics"

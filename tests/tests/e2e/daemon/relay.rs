@@ -10,7 +10,7 @@ use connreap_tests::{
             assert_alert_shape, describe, is, names_pid, owners, receiver, statuses, wait_post,
         },
         require_privileges, wait_until, Agent, Chain, Config, NetNs, RelayQuota, TempDir, FINDING,
-        HTTP, POLL,
+        HOOK, HTTP, POLL,
     },
 };
 use serde_json::{json, Value};
@@ -189,7 +189,9 @@ fn assert_api_while_firing(agent: &mut Agent, chain: &Chain) {
     );
     assert!(
         metrics
-            .value(r#"connreap_webhook_sends_total{result="ok"}"#)
+            .value(&format!(
+                r#"connreap_webhook_sends_total{{receiver="http://{HOOK}/alerts",result="ok"}}"#
+            ))
             .is_some_and(|n| n >= 2.0),
         "{metrics}"
     );

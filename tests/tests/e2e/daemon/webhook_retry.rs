@@ -14,7 +14,10 @@ use connreap_tests::{
 };
 use serde_json::Value;
 
-const ERRORS: &str = r#"connreap_webhook_sends_total{result="error"}"#;
+/// `connreap_webhook_sends_total` of the test's receiver for `result` (ok, error).
+fn sends(result: &str) -> String {
+    format!(r#"connreap_webhook_sends_total{{receiver="http://{HOOK}/alerts",result="{result}"}}"#)
+}
 
 #[test]
 fn webhook_delivery_is_retried_until_the_receiver_is_up() {
@@ -60,12 +63,20 @@ fn fires_while_nobody_listens(agent: &mut Agent, hook: &WebhookReceiver, cw: u32
     assert_eq!(f["service_port"], 7600, "{f:#}");
     let retried = wait_until(FINDING, POLL, || {
         agent.assert_healthy();
-        agent.metric(ERRORS).filter(|n| *n >= 3.0)
+        agent.metric(&sends("error")).filter(|n| *n >= 3.0)
     });
     assert!(
         retried.is_some(),
         "no failed deliveries counted: {}",
         agent.metrics()
+    );
+    // The log says why: nobody listens.
+    let stderr = agent.stderr();
+    assert!(
+        stderr.lines().any(|l| l.contains("webhook delivery failed")
+            && l.contains(&format!("receiver=http://{HOOK}/alerts"))
+            && l.contains(r#"cause="connection refused""#)),
+        "no log line names the cause:\n{stderr}"
     );
     let (_, health) = agent.get("/healthz");
     assert!(
@@ -105,15 +116,18 @@ fn delivered_once_the_receiver_is_up(agent: &Agent, hook: &WebhookReceiver, cw: 
     });
     assert!(delivered.is_some(), "{}", agent.get_ok("/healthz"));
     let metrics = agent.metrics();
-    assert!(metrics.value(ERRORS).is_some_and(|n| n >= 3.0), "{metrics}");
     assert!(
-        metrics
-            .value(r#"connreap_webhook_sends_total{result="ok"}"#)
-            .is_some_and(|n| n >= 1.0),
+        metrics.value(&sends("error")).is_some_and(|n| n >= 3.0),
+        "{metrics}"
+    );
+    assert!(
+        metrics.value(&sends("ok")).is_some_and(|n| n >= 1.0),
         "{metrics}"
     );
     assert_eq!(
-        metrics.value("connreap_webhook_dropped_total"),
+        metrics.value(&format!(
+            r#"connreap_webhook_dropped_total{{receiver="http://{HOOK}/alerts"}}"#
+        )),
         Some(0.0),
         "{metrics}"
     );

@@ -196,7 +196,7 @@ fn a_second_pin_root_runs_its_own_tracker_next_to_the_default_one() {
 /// (Whether closing frees a way is not observable here: the table holds 262 144.) Not quite every
 /// socket: the kernel skips a tracepoint run that would nest in another on the same CPU (a
 /// softirq arriving during a process-context run; counted in
-/// `connreap_bpf_program_recursion_misses`),
+/// `connreap_bpf_program_recursion_misses_total`),
 /// and a socket whose transition was skipped shows a lower bound instead. Those are rare, so
 /// at most MISSED of them are allowed here.
 #[test]
