@@ -6,7 +6,7 @@ use rustc_hash::FxHashMap;
 use super::{
     describe_owners, local_pairs, oldest_briefs, processes,
     upstream::{self, Upstream},
-    Finding, Input, Kind, QuotaRef, Verdict,
+    Finding, Input, Kind, QuotaRef, Verdict, MAX_SOCKETS,
 };
 use crate::{
     config::QuotaConfig,
@@ -113,11 +113,14 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 used: entry.used,
                 limit: entry.limit,
             });
-            f.sockets = oldest_briefs(
-                ends.iter()
-                    .copied()
-                    .chain(up.hops.iter().flat_map(|h| [h.accepted, h.origin])),
-            );
+            // Both the quota's own connections and the hop that feeds them, half the list each
+            // when there is a hop (one list sorted by age could hold only one side).
+            f.sockets = oldest_briefs(ends.iter().copied());
+            if !up.hops.is_empty() {
+                f.sockets.truncate(MAX_SOCKETS / 2);
+                let hops = oldest_briefs(up.hops.iter().flat_map(|h| [h.accepted, h.origin]));
+                f.sockets.extend(hops.into_iter().take(MAX_SOCKETS / 2));
+            }
             f.upstream = feeders;
             f.verdict = Some(verdict);
             f.verdict_known_in_secs = known_in.map(round_secs);
