@@ -14,16 +14,27 @@ const UNITS: [(&str, u64); 4] = [
     ("B", 1),
 ];
 
-impl std::str::FromStr for ByteSize {
-    type Err = String;
+/// Why a size does not parse.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SizeError {
+    #[error("`{0}` is not a size like \"1MiB\" or a number of bytes")]
+    NotASize(String),
+    #[error("unknown unit `{unit}` in `{text}`: use B, KiB, MiB or GiB")]
+    Unit { unit: String, text: String },
+    #[error("`{0}` is too large")]
+    TooLarge(String),
+}
 
-    fn from_str(s: &str) -> Result<Self, String> {
+impl std::str::FromStr for ByteSize {
+    type Err = SizeError;
+
+    fn from_str(s: &str) -> Result<Self, SizeError> {
         let s = s.trim();
         let digits = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
         let (number, unit) = s.split_at(digits);
         let number: u64 = number
             .parse()
-            .map_err(|_| format!("`{s}` is not a size like \"1MiB\" or a number of bytes"))?;
+            .map_err(|_| SizeError::NotASize(s.to_string()))?;
         let unit = unit.trim();
         let scale = if unit.is_empty() {
             1
@@ -32,12 +43,15 @@ impl std::str::FromStr for ByteSize {
                 .iter()
                 .find(|(u, _)| *u == unit)
                 .map(|(_, scale)| *scale)
-                .ok_or_else(|| format!("unknown unit `{unit}` in `{s}`: use B, KiB, MiB or GiB"))?
+                .ok_or_else(|| SizeError::Unit {
+                    unit: unit.to_string(),
+                    text: s.to_string(),
+                })?
         };
         number
             .checked_mul(scale)
             .map(ByteSize)
-            .ok_or_else(|| format!("`{s}` is too large"))
+            .ok_or_else(|| SizeError::TooLarge(s.to_string()))
     }
 }
 
@@ -94,9 +108,15 @@ mod tests {
         assert_eq!(p("2 KiB"), Ok(2048));
         assert_eq!(p("1000"), Ok(1000));
         assert_eq!(p("1000B"), Ok(1000));
-        assert!(p("1MB").unwrap_err().contains("unknown unit `MB`"));
-        assert!(p("lots").unwrap_err().contains("not a size"));
-        assert!(p("99999999999999GiB").unwrap_err().contains("too large"));
+        assert!(p("1MB")
+            .unwrap_err()
+            .to_string()
+            .contains("unknown unit `MB`"));
+        assert!(p("lots").unwrap_err().to_string().contains("not a size"));
+        assert!(p("99999999999999GiB")
+            .unwrap_err()
+            .to_string()
+            .contains("too large"));
         assert_eq!(ByteSize(1 << 20).to_string(), "1MiB");
         assert_eq!(ByteSize(1536 * 1024).to_string(), "1536KiB");
         assert_eq!(ByteSize(1000).to_string(), "1000B");

@@ -64,7 +64,7 @@ pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
 /// `[alerts.severity]`: known kinds, the levels Alertmanager routes on.
 fn validate_severity(a: &super::AlertsConfig) -> Result<(), Invalid> {
     for (kind, level) in &a.severity {
-        let known = crate::detect::Kind::ALL.iter().any(|k| k.as_str() == kind);
+        let known = super::FINDING_KINDS.contains(&kind.as_str());
         if !known {
             return Err(invalid(
                 top("alerts", "severity"),

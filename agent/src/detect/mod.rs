@@ -331,6 +331,12 @@ mod merge_tests {
     use super::*;
 
     #[test]
+    fn config_knows_every_finding_kind() {
+        let names: Vec<&str> = Kind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(names, crate::config::FINDING_KINDS);
+    }
+
+    #[test]
     fn two_processes_of_one_service_are_one_finding() {
         let cfg = DetectConfig::default();
         let mut t: Vec<Socket> = Vec::new();

@@ -98,7 +98,7 @@ pub(super) fn kill_all(
         let fresh = match recheck(p, s, now.get(&(s.skaddr, s.inode)).copied()) {
             Ok(fresh) => fresh,
             Err(why) => {
-                out.push((Outcome::Skipped, Some(why), None));
+                out.push((Outcome::Skipped, Some(why.to_string()), None));
                 continue;
             }
         };
@@ -160,27 +160,39 @@ pub(super) fn kill_all(
     out
 }
 
+/// Why a target is no longer killed when re-read right before the kill (the decision's reason).
+#[derive(Debug, thiserror::Error)]
+enum Recheck {
+    #[error("gone before the kill")]
+    Gone,
+    #[error("owner changed since selection")]
+    OwnerChanged,
+    #[error("no longer matches on re-check (state {state}, idle {idle})")]
+    NoLongerMatches {
+        state: crate::table::TcpState,
+        idle: String,
+    },
+}
+
 /// The fresh view of a target if it still qualifies: same socket, same owner, still selected
 /// and still old/idle enough.
 fn recheck<'a>(
     p: &PolicyConfig,
     was: &Socket,
     now: Option<&'a Socket>,
-) -> Result<&'a Socket, String> {
-    let Some(now) = now else {
-        return Err("gone before the kill".into());
-    };
+) -> Result<&'a Socket, Recheck> {
+    let now = now.ok_or(Recheck::Gone)?;
     if now.pid() != was.pid() {
-        return Err("owner changed since selection".into());
+        return Err(Recheck::OwnerChanged);
     }
     if !selected(&p.select, now) || !old_enough(p, now) {
-        return Err(format!(
-            "no longer matches on re-check (state {}, idle {})",
-            now.state,
-            now.idle
+        return Err(Recheck::NoLongerMatches {
+            state: now.state,
+            idle: now
+                .idle
                 .map(crate::present::human)
-                .unwrap_or_else(|| "-".into())
-        ));
+                .unwrap_or_else(|| "-".into()),
+        });
     }
     Ok(now)
 }
