@@ -33,7 +33,7 @@ pub use chain::{Chain, ChainAddrs};
 pub use config::{relay_policy, Config, RelayQuota, TempDir};
 pub use consts::*;
 pub use metrics::{Metrics, Sample};
-pub use netns::NetNs;
+pub use netns::{ip, NetNs};
 pub use privileges::{require_privileges, Privileged};
 pub use process::{
     alive, connreap_bin, peer, program, run, spawn_ready, wait_until, Child, Output, Ready,

@@ -23,7 +23,8 @@ pub struct NetNs {
 
 static NS_COUNTER: AtomicUsize = AtomicUsize::new(0);
 
-fn ip(args: &[&str]) {
+/// `ip ARGS`, which must succeed (the test fails naming the command and its stderr).
+pub fn ip(args: &[&str]) {
     let out = Command::new("ip")
         .args(args)
         .output()

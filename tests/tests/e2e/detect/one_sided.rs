@@ -4,11 +4,10 @@
 //! idle_established_buildup names the server process, its port, the peers and whether TCP
 //! keepalive is on for them.
 
-use std::process::Command;
-
 use connreap_tests::harness::{
     alerts::{assert_alert_shape, is, owners, receiver, wait_post},
-    peer, require_privileges, wait_until, Agent, Config, NetNs, TempDir, FINDING, PEER_COMM, POLL,
+    ip, peer, require_privileges, wait_until, Agent, Config, NetNs, TempDir, FINDING, PEER_COMM,
+    POLL,
 };
 use serde_json::{json, Value};
 
@@ -16,19 +15,6 @@ const SERVER_IP: &str = "10.77.0.1";
 const CLIENT_IP: &str = "10.77.0.2";
 /// Sockets per server: the threshold the test configures.
 const GHOSTS: usize = 8;
-
-fn ip(args: &[&str]) {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .unwrap_or_else(|e| panic!("cannot run `ip`: {e}"));
-    assert!(
-        out.status.success(),
-        "`ip {}` failed: {}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stderr).trim()
-    );
-}
 
 /// A veth pair between `server` (`vs`, SERVER_IP) and `client` (`vc`, CLIENT_IP), both up.
 fn link(server: &NetNs, client: &NetNs) {
