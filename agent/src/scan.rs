@@ -2,16 +2,35 @@
 //! reached only through `kernel` (the dumps, `kernel::procfs`); this module only drives them.
 use std::{
     collections::{HashMap, HashSet},
+    sync::Arc,
     time::{Duration, Instant},
 };
 
 use crate::{
-    kernel::{procfs, Kernel, KernelError},
-    table::{self, FirstSeen, Holders, Socket, TableBuilder},
+    kernel::{
+        netns::{self, Namespace},
+        procfs, Kernel, KernelError, NsEvent,
+    },
+    table::{self, FirstSeen, Holders, Netns, Socket, TableBuilder},
 };
+
+/// What the last scan saw of the host's network namespaces.
+#[derive(Debug, Default, Clone)]
+pub struct NamespaceReport {
+    /// Namespaces dumped.
+    pub scanned: usize,
+    /// Namespaces that went away between discovery and their dump (their sockets are gone).
+    pub gone: usize,
+    /// Namespaces that could not be entered or dumped, and why: their sockets are missing
+    /// from the table (so none of them can be selected for a kill either).
+    pub failed: Vec<(u32, String)>,
+}
 
 pub struct Scanner {
     pub kernel: Kernel,
+    /// The namespaces of the last scan, for acting inside one (see `kernel::netns::run_in`).
+    pub namespaces: Vec<Namespace>,
+    pub namespace_report: NamespaceReport,
     host: table::HostInfo,
     first_seen: FirstSeen,
     units: HashMap<u32, Option<String>>,
@@ -30,6 +49,8 @@ impl Scanner {
                 ephemeral,
             },
             kernel,
+            namespaces: Vec::new(),
+            namespace_report: NamespaceReport::default(),
             first_seen: FirstSeen::default(),
             units: HashMap::new(),
             last_len: 0,
@@ -58,13 +79,45 @@ impl Scanner {
             procfs::monotonic_ns(),
         );
         let mut holders = Holders::default();
-        let (sockets, owners) = if parallel {
+        // Every namespace, rediscovered on each scan: pods come and go.
+        let spaces = netns::discover().map_err(KernelError::Netns)?;
+        let on_socket = |e: NsEvent<'_>| match e {
+            NsEvent::Enter(ns) => b.begin_namespace(
+                Arc::new(Netns {
+                    inode: ns.inode,
+                    name: ns.name.as_deref().map(Box::from),
+                    own: ns.own,
+                }),
+                // Read on the thread inside the namespace: its own sysctl.
+                procfs::ephemeral_ports(),
+            ),
+            NsEvent::Socket(r) => b.push(&r),
+        };
+        let (all, owners) = if parallel {
             self.kernel
-                .for_each_both(|r| b.push(&r), |o| holders.push(&o))?
+                .for_each_both(&spaces, on_socket, |o| holders.push(&o))?
         } else {
-            let sockets = self.kernel.for_each_socket(|r| b.push(&r))?;
+            let sockets = self.kernel.for_each_socket(&spaces, on_socket)?;
             (sockets, self.kernel.for_each_owner(|o| holders.push(&o))?)
         };
+        for (inode, e) in &all.failed {
+            tracing::warn!(
+                netns = inode,
+                error = format!("{e:#}"),
+                "network namespace not scanned; its sockets are missing from this scan"
+            );
+        }
+        self.namespace_report = NamespaceReport {
+            scanned: all.namespaces,
+            gone: all.gone,
+            failed: all
+                .failed
+                .iter()
+                .map(|(i, e)| (*i, format!("{e:#}")))
+                .collect(),
+        };
+        self.namespaces = spaces;
+        let sockets = all.dump;
         let dumps_done = Instant::now();
         let end_ns = procfs::monotonic_ns();
         // Forget units of pids that hold no socket any more (pids get reused).
@@ -85,6 +138,7 @@ impl Scanner {
         // parallel scan), then the merge.
         let us = |d: Duration| d.as_micros() as u64;
         tracing::debug!(
+            namespaces = all.namespaces,
             sockets = sockets.records,
             owner_records = owners.records,
             socket_dump_kernel_us = us(sockets.in_kernel),

@@ -233,6 +233,50 @@ impl Serialize for Endpoint {
     }
 }
 
+/// The network namespace a socket lives in.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
+pub struct Netns {
+    /// The namespace's inode (0: not known, in tests and fixtures).
+    pub inode: u32,
+    /// Its name under `/run/netns` or `/run/docker/netns`, if it has one.
+    pub name: Option<Box<str>>,
+    /// connreap's own namespace (the host's, when connreap runs on the host).
+    pub own: bool,
+}
+
+impl Netns {
+    /// The namespace of tests and fixtures: connreap's own, inode unknown.
+    pub fn unknown() -> Arc<Netns> {
+        static OWN: std::sync::LazyLock<Arc<Netns>> = std::sync::LazyLock::new(|| {
+            Arc::new(Netns {
+                inode: 0,
+                name: None,
+                own: true,
+            })
+        });
+        OWN.clone()
+    }
+
+    /// What to call it: its name, "host" for connreap's own, else its inode.
+    pub fn label(&self) -> String {
+        match (&self.name, self.own) {
+            (Some(n), _) => n.to_string(),
+            (None, true) => "host".to_string(),
+            (None, false) => self.inode.to_string(),
+        }
+    }
+
+    /// Whether `wanted` (a name, an inode, "host", or "all") names this namespace.
+    pub fn matches(&self, wanted: &str) -> bool {
+        wanted == "all"
+            || (wanted == "host" && self.own)
+            || self.name.as_deref() == Some(wanted)
+            || wanted
+                .parse::<u32>()
+                .is_ok_and(|i| i == self.inode && i != 0)
+    }
+}
+
 /// Marks an absent millisecond figure in [`Socket`].
 const NO_MS: u64 = u64::MAX;
 
@@ -267,6 +311,8 @@ pub struct Socket {
     pub age_exact: bool,
     /// TCP keepalive is on (`SO_KEEPALIVE`): a peer that vanished is found out eventually.
     pub keepalive: bool,
+    /// The network namespace it lives in (shared by all its sockets).
+    pub netns: Arc<Netns>,
 }
 
 fn opt_ms(ms: u64) -> Option<Duration> {
@@ -297,6 +343,7 @@ impl Socket {
             direction: Direction::Outbound,
             age_exact: true,
             keepalive: false,
+            netns: Netns::unknown(),
         }
     }
     pub fn pid(&self) -> Option<u32> {

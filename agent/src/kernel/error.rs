@@ -75,6 +75,8 @@ pub enum KernelError {
         #[source]
         source: IterError,
     },
+    #[error("cannot list the host's network namespaces")]
+    Netns(#[source] super::netns::NetnsError),
     #[error("BPF map {0} missing from the object")]
     MissingMap(&'static str),
     #[error("BPF map {name} cannot be used")]

@@ -17,6 +17,7 @@ pub mod events;
 mod host;
 mod hz;
 mod memory;
+pub mod netns;
 pub mod offsets;
 mod pins;
 pub mod procfs;
@@ -87,6 +88,27 @@ pub struct ProgramStats {
     /// tracker: a transition in softirq context during another one in process context). The
     /// kernel counts them whether or not bpf_stats is on; None where it does not say.
     pub recursion_misses: Option<u64>,
+}
+
+/// What a socket dump hands its caller, in order: a namespace, then its sockets.
+#[derive(Debug)]
+pub enum NsEvent<'n> {
+    Enter(&'n netns::Namespace),
+    Socket(SockRecord),
+}
+
+/// A socket dump over namespaces.
+#[derive(Debug, Default)]
+pub struct SocketDump {
+    /// All namespaces' records and time.
+    pub dump: Dump,
+    /// Namespaces dumped.
+    pub namespaces: usize,
+    /// Namespaces that went away between discovery and their dump.
+    pub gone: usize,
+    /// Namespaces that could not be entered or dumped (inode, why): their sockets are missing
+    /// from this scan.
+    pub failed: Vec<(u32, anyhow::Error)>,
 }
 
 pub struct Kernel {
@@ -364,9 +386,52 @@ impl Kernel {
         Ok(dump)
     }
 
-    /// Every TCP socket of this network namespace, one record at a time.
-    pub fn for_each_socket(&mut self, f: impl FnMut(SockRecord)) -> Result<Dump, KernelError> {
-        Self::run_iter(&mut self.iter_tcp, "iter/tcp", f)
+    /// Every TCP socket of each of `spaces`, one record at a time: `f` gets
+    /// [`NsEvent::Enter`] inside each namespace (on the thread that is in it, so /proc/sys/net
+    /// reads are that namespace's) before its sockets. A namespace that went away meanwhile is
+    /// skipped; one that could not be entered or dumped is reported with the result; a failure
+    /// in connreap's own namespace fails the dump.
+    pub fn for_each_socket(
+        &mut self,
+        spaces: &[netns::Namespace],
+        f: impl FnMut(NsEvent<'_>) + Send,
+    ) -> Result<SocketDump, KernelError> {
+        Self::sockets_in(&mut self.iter_tcp, spaces, f)
+    }
+
+    fn sockets_in(
+        it: &mut Iter,
+        spaces: &[netns::Namespace],
+        mut f: impl FnMut(NsEvent<'_>) + Send,
+    ) -> Result<SocketDump, KernelError> {
+        let mut out = SocketDump::default();
+        let mut own_error = None;
+        let mut failed_dumps = Vec::new();
+        let failed = netns::visit(spaces, |ns| {
+            f(NsEvent::Enter(ns));
+            match Self::run_iter(it, "iter/tcp", |r| f(NsEvent::Socket(r))) {
+                Ok(d) => {
+                    out.dump.records += d.records;
+                    out.dump.in_kernel += d.in_kernel;
+                    out.dump.total += d.total;
+                    out.namespaces += 1;
+                }
+                Err(e) if ns.own => own_error = Some(e),
+                Err(e) => failed_dumps.push((ns.inode, e.into())),
+            }
+        });
+        if let Some(e) = own_error {
+            return Err(e);
+        }
+        for (ns, e) in failed {
+            if e.is_gone() {
+                out.gone += 1;
+            } else {
+                out.failed.push((ns.inode, e.into()));
+            }
+        }
+        out.failed.append(&mut failed_dumps);
+        Ok(out)
     }
 
     /// Every (socket, process) pair on the host, one record at a time.
@@ -380,14 +445,15 @@ impl Kernel {
     /// other, so a socket it sees has had the time to get its owner.
     pub fn for_each_both(
         &mut self,
-        on_socket: impl FnMut(SockRecord),
+        spaces: &[netns::Namespace],
+        on_socket: impl FnMut(NsEvent<'_>) + Send,
         on_owner: impl FnMut(OwnerRecord) + Send,
-    ) -> Result<(Dump, Dump), KernelError> {
+    ) -> Result<(SocketDump, Dump), KernelError> {
         let (iter_tcp, iter_files) = (&mut self.iter_tcp, &mut self.iter_files);
         std::thread::scope(|scope| {
             let owners =
                 scope.spawn(move || Self::run_iter(iter_files, "iter/task_file", on_owner));
-            let sockets = Self::run_iter(iter_tcp, "iter/tcp", on_socket);
+            let sockets = Self::sockets_in(iter_tcp, spaces, on_socket);
             let owners = owners.join().unwrap_or_else(|_| {
                 Err(KernelError::iterate("iter/task_file")(IterError::Panicked))
             });

@@ -317,7 +317,7 @@ impl Reclaimer {
         };
         let now: HashMap<(u64, u64), &Socket> =
             fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
-        let outcomes = kill_all(p, destroyer, targets, &now);
+        let outcomes = kill_all(p, destroyer, targets, &now, &scanner.namespaces);
         let decisions: Vec<Decision> = targets
             .iter()
             .zip(outcomes)

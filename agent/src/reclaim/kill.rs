@@ -8,7 +8,9 @@ use crate::{
     config::{DestroyMechanism, PolicyConfig},
     kernel::{
         destroy::{self, BpfDestroyer, DestroyResult},
-        diag, Kernel,
+        diag,
+        netns::{self, Namespace},
+        Kernel,
     },
     table::Socket,
 };
@@ -83,9 +85,65 @@ fn cookie_u64(c: [u8; 8]) -> u64 {
 
 type KillOutcome = (Outcome, Option<String>, Option<u64>);
 
-/// Re-check every target against its fresh kernel view and destroy those that still qualify.
-/// One outcome per target, in order; also the cookie a netlink destroy went by.
+/// Re-check every target against its fresh kernel view and destroy those that still qualify,
+/// each namespace's targets from inside that namespace (a netlink socket and a BPF iterator
+/// see only the sockets of the namespace they were made in). One outcome per target, in
+/// order; also the cookie a netlink destroy went by.
 pub(super) fn kill_all(
+    p: &PolicyConfig,
+    destroyer: &mut Destroyer,
+    targets: &[&Socket],
+    now: &HashMap<(u64, u64), &Socket>,
+    spaces: &[Namespace],
+) -> Vec<KillOutcome> {
+    let mut out: Vec<Option<KillOutcome>> = vec![None; targets.len()];
+    let mut inodes: Vec<u32> = targets.iter().map(|s| s.netns.inode).collect();
+    inodes.sort_unstable();
+    inodes.dedup();
+    for inode in inodes {
+        let (idx, group): (Vec<usize>, Vec<&Socket>) = targets
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.netns.inode == inode)
+            .map(|(i, s)| (i, *s))
+            .unzip();
+        // Inode 0 (a table built without namespaces) is connreap's own.
+        let ns = spaces
+            .iter()
+            .find(|n| n.inode == inode || (inode == 0 && n.own));
+        let results = match ns {
+            Some(ns) => netns::run_in(ns, || kill_in_namespace(p, destroyer, &group, now))
+                .unwrap_or_else(|e| {
+                    let (outcome, why) = if e.is_gone() {
+                        (
+                            Outcome::Skipped,
+                            "network namespace gone before the kill".to_string(),
+                        )
+                    } else {
+                        (Outcome::Failed, format!("{:#}", anyhow::Error::new(e)))
+                    };
+                    vec![(outcome, Some(why), None); group.len()]
+                }),
+            None => vec![
+                (
+                    Outcome::Skipped,
+                    Some("network namespace gone before the kill".into()),
+                    None,
+                );
+                group.len()
+            ],
+        };
+        for (i, r) in idx.into_iter().zip(results) {
+            out[i] = Some(r);
+        }
+    }
+    out.into_iter()
+        .map(|o| o.unwrap_or((Outcome::Failed, Some("not attempted".into()), None)))
+        .collect()
+}
+
+/// [`kill_all`] for the targets of one namespace, on a thread inside it.
+fn kill_in_namespace(
     p: &PolicyConfig,
     destroyer: &mut Destroyer,
     targets: &[&Socket],
@@ -182,6 +240,9 @@ fn recheck<'a>(
     now: Option<&'a Socket>,
 ) -> Result<&'a Socket, Recheck> {
     let now = now.ok_or(Recheck::Gone)?;
+    if now.netns.inode != was.netns.inode {
+        return Err(Recheck::Gone);
+    }
     if now.pid() != was.pid() {
         return Err(Recheck::OwnerChanged);
     }

@@ -10,7 +10,7 @@ use connreap_ebpf::{sock_flags, OwnerRecord, SockRecord, AF_INET};
 use rustc_hash::FxHashMap;
 
 use super::{
-    classify, opt_ms, Direction, Endpoint, HostInfo, Owner, PortSet, Socket, TcpState, NO_MS,
+    classify, opt_ms, Direction, Endpoint, HostInfo, Netns, Owner, PortSet, Socket, TcpState, NO_MS,
 };
 
 /// Remembers when the agent first saw each socket whose age the tracker does not know, for a
@@ -109,12 +109,24 @@ impl Holders {
     }
 }
 
+/// One namespace's part of a scan: its listeners and ephemeral range decide the service side
+/// of its sockets (every pod may listen on 8080; another pod's listener says nothing here).
+struct NsPart {
+    netns: Arc<Netns>,
+    listening: PortSet,
+    ephemeral: std::ops::RangeInclusive<u16>,
+}
+
 /// Builds the table in two steps, so a scan never holds the kernel's socket records: `push`
-/// each socket record as it is read, then `finish` with the owner dump.
+/// each socket record as it is read (after [`TableBuilder::begin_namespace`] for the
+/// namespace they come from), then `finish` with the owner dump.
 pub struct TableBuilder<'a> {
     host: &'a HostInfo,
     first_seen: &'a mut FirstSeen,
-    listening: PortSet,
+    /// The namespaces of this scan, the one being read last.
+    parts: Vec<NsPart>,
+    /// Each row's index in `parts`.
+    row_part: Vec<u32>,
     table: Vec<Socket>,
     /// Rows whose age is a first-seen bound (see [`FirstSeen`]): keys, and their rows.
     unaged: Vec<Unaged>,
@@ -134,12 +146,35 @@ impl<'a> TableBuilder<'a> {
         TableBuilder {
             host,
             first_seen,
-            listening: PortSet::default(),
+            parts: Vec::new(),
+            row_part: Vec::with_capacity(capacity),
             table: Vec::with_capacity(capacity),
             unaged: Vec::new(),
             unaged_rows: Vec::new(),
             start_ns,
         }
+    }
+
+    /// The records pushed from now on come from `netns`, whose ephemeral port range is
+    /// `ephemeral` (None: the host's).
+    pub fn begin_namespace(
+        &mut self,
+        netns: Arc<Netns>,
+        ephemeral: Option<std::ops::RangeInclusive<u16>>,
+    ) {
+        self.parts.push(NsPart {
+            netns,
+            listening: PortSet::default(),
+            ephemeral: ephemeral.unwrap_or_else(|| self.host.ephemeral.clone()),
+        });
+    }
+
+    /// The namespace being read: the last begun (the host's, unknown, if none was).
+    fn part(&mut self) -> usize {
+        if self.parts.is_empty() {
+            self.begin_namespace(Netns::unknown(), None);
+        }
+        self.parts.len() - 1
     }
 
     /// A timewait socket's time in its state from the kernel's stamp (`tw_entry_ms`), if the
@@ -197,8 +232,9 @@ impl<'a> TableBuilder<'a> {
             };
             (bound, false)
         };
+        let part = self.part();
         if state == TcpState::Listen {
-            self.listening.insert(s.sport);
+            self.parts[part].listening.insert(s.sport);
         }
         let mut sock = Socket::new(
             addr(s.family, &s.saddr, s.sport),
@@ -217,6 +253,8 @@ impl<'a> TableBuilder<'a> {
         sock.tx_queue = s.tx_queue;
         sock.uid = s.uid;
         sock.keepalive = s.flags & sock_flags::KEEPALIVE != 0;
+        sock.netns = self.parts[part].netns.clone();
+        self.row_part.push(part as u32);
         self.table.push(sock);
     }
 
@@ -260,16 +298,12 @@ impl<'a> TableBuilder<'a> {
         }
         // Per process: comm and unit, allocated once.
         let mut procs: FxHashMap<u32, Arc<Owner>> = FxHashMap::default();
-        for (s, (first, n)) in table.iter_mut().zip(held_by) {
+        for ((s, (first, n)), part) in table.iter_mut().zip(held_by).zip(&self.row_part) {
             (s.direction, s.service_port) = if s.state == TcpState::Listen {
                 (Direction::Listen, s.local.port())
             } else {
-                classify(
-                    s.local.port(),
-                    s.peer.port(),
-                    &self.listening,
-                    &self.host.ephemeral,
-                )
+                let ns = &self.parts[*part as usize];
+                classify(s.local.port(), s.peer.port(), &ns.listening, &ns.ephemeral)
             };
             let mine = &h[first as usize..(first + n) as usize];
             if let Some(&(_, tgid, fd)) = mine.first() {

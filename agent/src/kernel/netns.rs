@@ -1,0 +1,327 @@
+//! Network namespaces: finding every one on the host and running code inside one.
+//!
+//! A namespace counts when a process lives in it or a name is bind-mounted for it under
+//! `/run/netns` (`ip netns add`) or `/run/docker/netns` (Docker's sandboxes); namespaces are
+//! identified by the inode of their nsfs file and deduplicated by it. Discovery runs on every
+//! scan (pods come and go) and holds nothing open between scans, so connreap never keeps a
+//! dead namespace alive.
+//!
+//! Entering one is `setns(2)` on a thread of our own, never on a thread that does anything
+//! else: a socket (netlink, TCP, a BPF iterator) is bound to the namespace of the thread that
+//! creates it, and a thread left in the wrong namespace would act on the wrong sockets. The
+//! threads entering namespaces end with the work they did there, so there is nothing to restore.
+use std::{
+    fs,
+    os::{
+        fd::{AsRawFd as _, OwnedFd},
+        unix::fs::MetadataExt as _,
+    },
+    path::{Path, PathBuf},
+};
+
+/// Directories where namespaces get names: `ip netns` (`/var/run` is normally a link to `/run`,
+/// so both are read and the duplicates dropped by inode) and Docker.
+const NAMED_DIRS: [&str; 3] = ["/run/netns", "/var/run/netns", "/run/docker/netns"];
+
+/// One network namespace of the host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Namespace {
+    /// The namespace's inode (what `ls -L -i /proc/<pid>/ns/net` and `lsns` print).
+    pub inode: u32,
+    /// Its name under `/run/netns` or `/run/docker/netns`, if it has one.
+    pub name: Option<String>,
+    /// connreap's own namespace.
+    pub own: bool,
+    /// A file that refers to it: a bind mount, or `/proc/<pid>/ns/net` of a process in it.
+    path: PathBuf,
+}
+
+/// Why a namespace could not be entered.
+#[derive(Debug, thiserror::Error)]
+pub enum NetnsError {
+    /// It went away (its last process exited, its name was removed) or its file now refers to
+    /// another namespace (the pid was reused): not an error for a scan, its sockets are gone.
+    #[error("network namespace {inode} is gone")]
+    Gone { inode: u32 },
+    #[error("cannot open network namespace {inode} at {}", path.display())]
+    Open {
+        inode: u32,
+        path: PathBuf,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot enter network namespace {inode} (setns; connreap needs CAP_SYS_ADMIN)")]
+    Enter {
+        inode: u32,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot read connreap's own network namespace")]
+    Own(#[source] std::io::Error),
+    #[error("the thread working in network namespace {inode} panicked")]
+    Panicked { inode: u32 },
+}
+
+impl NetnsError {
+    pub fn is_gone(&self) -> bool {
+        matches!(self, NetnsError::Gone { .. })
+    }
+}
+
+/// The inode of the namespace the calling thread is in.
+pub fn current_inode() -> Result<u32, NetnsError> {
+    fs::metadata("/proc/thread-self/ns/net")
+        .map(|m| m.ino() as u32)
+        .map_err(NetnsError::Own)
+}
+
+/// Every network namespace of the host, connreap's own first, then named ones, then the rest
+/// by the lowest pid living in them.
+pub fn discover() -> Result<Vec<Namespace>, NetnsError> {
+    let own = current_inode()?;
+    let mut found = vec![Namespace {
+        inode: own,
+        name: None,
+        own: true,
+        path: PathBuf::from("/proc/thread-self/ns/net"),
+    }];
+    for dir in NAMED_DIRS {
+        let Ok(entries) = fs::read_dir(dir) else {
+            continue;
+        };
+        let mut named: Vec<(String, PathBuf)> = entries
+            .flatten()
+            .map(|e| (e.file_name().to_string_lossy().into_owned(), e.path()))
+            .collect();
+        named.sort();
+        for (name, path) in named {
+            if let Ok(m) = fs::metadata(&path) {
+                add(&mut found, m.ino() as u32, Some(name), path);
+            }
+        }
+    }
+    let mut pids: Vec<u32> = fs::read_dir("/proc")
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| e.file_name().to_str()?.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
+    pids.sort_unstable();
+    for pid in pids {
+        let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
+        // A process that exited meanwhile, or a kernel thread's missing link: skipped.
+        if let Ok(m) = fs::metadata(&path) {
+            add(&mut found, m.ino() as u32, None, path);
+        }
+    }
+    Ok(found)
+}
+
+/// Add a namespace unless known; a name found later for a known namespace is kept.
+fn add(found: &mut Vec<Namespace>, inode: u32, name: Option<String>, path: PathBuf) {
+    match found.iter_mut().find(|n| n.inode == inode) {
+        Some(known) => {
+            if known.name.is_none() {
+                known.name = name;
+            }
+        }
+        None => found.push(Namespace {
+            inode,
+            name,
+            own: false,
+            path,
+        }),
+    }
+}
+
+impl Namespace {
+    /// The namespace of a file.
+    #[cfg(test)]
+    pub fn at(path: &Path) -> Result<Namespace, NetnsError> {
+        let own = current_inode()?;
+        let m = fs::metadata(path).map_err(|source| NetnsError::Open {
+            inode: 0,
+            path: path.to_path_buf(),
+            source,
+        })?;
+        let inode = m.ino() as u32;
+        Ok(Namespace {
+            inode,
+            name: None,
+            own: inode == own,
+            path: path.to_path_buf(),
+        })
+    }
+
+    /// Open the namespace's file and check it still refers to this namespace.
+    fn open(&self) -> Result<OwnedFd, NetnsError> {
+        let file = match fs::File::open(&self.path) {
+            Ok(f) => f,
+            Err(e)
+                if matches!(
+                    e.raw_os_error(),
+                    Some(libc::ENOENT) | Some(libc::ESRCH) | Some(libc::EINVAL)
+                ) =>
+            {
+                return Err(NetnsError::Gone { inode: self.inode })
+            }
+            Err(source) => {
+                return Err(NetnsError::Open {
+                    inode: self.inode,
+                    path: self.path.clone(),
+                    source,
+                })
+            }
+        };
+        match file.metadata() {
+            Ok(m) if m.ino() as u32 == self.inode => Ok(file.into()),
+            _ => Err(NetnsError::Gone { inode: self.inode }),
+        }
+    }
+
+    /// Move the calling thread into this namespace. Only for threads of [`run_in`] and
+    /// [`visit`], which end with the work done there.
+    fn enter(&self) -> Result<(), NetnsError> {
+        let fd = self.open()?;
+        // SAFETY: setns on a valid namespace fd; it changes only the calling thread's network
+        // namespace.
+        if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
+            return Err(NetnsError::Enter {
+                inode: self.inode,
+                source: std::io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+}
+
+/// Run `f` inside `ns`: on the calling thread for connreap's own namespace, else on a thread
+/// of its own that enters the namespace first and ends with `f`.
+pub fn run_in<R: Send>(ns: &Namespace, f: impl FnOnce() -> R + Send) -> Result<R, NetnsError> {
+    if ns.own {
+        return Ok(f());
+    }
+    std::thread::scope(|scope| {
+        let worker = std::thread::Builder::new()
+            .name("connreap-netns".into())
+            .spawn_scoped(scope, || {
+                ns.enter()?;
+                Ok(f())
+            });
+        match worker {
+            Ok(handle) => handle
+                .join()
+                .unwrap_or(Err(NetnsError::Panicked { inode: ns.inode })),
+            Err(source) => Err(NetnsError::Enter {
+                inode: ns.inode,
+                source,
+            }),
+        }
+    })
+}
+
+/// Run `f` inside each of `spaces` in turn, on one thread of its own (which starts in
+/// connreap's namespace, so its own is visited without setns); `f` is not called for a
+/// namespace that could not be entered, whose error is returned with it instead.
+pub fn visit<'n>(
+    spaces: &'n [Namespace],
+    mut f: impl FnMut(&'n Namespace) + Send,
+) -> Vec<(&'n Namespace, NetnsError)> {
+    let mut failed = Vec::new();
+    let (own, others): (Vec<&Namespace>, Vec<&Namespace>) = spaces.iter().partition(|n| n.own);
+    for ns in own {
+        f(ns);
+    }
+    if others.is_empty() {
+        return failed;
+    }
+    std::thread::scope(|scope| {
+        let worker = std::thread::Builder::new()
+            .name("connreap-netns".into())
+            .spawn_scoped(scope, || {
+                let mut failed = Vec::new();
+                for ns in others.iter().copied() {
+                    match ns.enter() {
+                        Ok(()) => f(ns),
+                        Err(e) => failed.push((ns, e)),
+                    }
+                }
+                failed
+            });
+        match worker.map(|h| h.join()) {
+            Ok(Ok(mut f)) => failed.append(&mut f),
+            Ok(Err(_)) => failed.extend(
+                others
+                    .iter()
+                    .map(|ns| (*ns, NetnsError::Panicked { inode: ns.inode })),
+            ),
+            Err(_) => failed.extend(others.iter().map(|ns| {
+                (
+                    *ns,
+                    NetnsError::Enter {
+                        inode: ns.inode,
+                        source: std::io::Error::other("cannot start a thread"),
+                    },
+                )
+            })),
+        }
+    });
+    failed
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn own_namespace_comes_first_and_once() {
+        let found = discover().expect("discover");
+        assert!(found[0].own);
+        assert_eq!(found[0].inode, current_inode().unwrap());
+        let mut inodes: Vec<u32> = found.iter().map(|n| n.inode).collect();
+        inodes.sort_unstable();
+        inodes.dedup();
+        assert_eq!(inodes.len(), found.len(), "deduplicated: {found:?}");
+        assert_eq!(found.iter().filter(|n| n.own).count(), 1);
+    }
+
+    #[test]
+    fn names_are_kept_for_known_namespaces() {
+        let mut found = Vec::new();
+        add(&mut found, 7, None, "/proc/1/ns/net".into());
+        add(&mut found, 7, Some("blue".into()), "/run/netns/blue".into());
+        add(&mut found, 8, Some("red".into()), "/run/netns/red".into());
+        add(
+            &mut found,
+            8,
+            Some("other".into()),
+            "/run/docker/netns/x".into(),
+        );
+        assert_eq!(found.len(), 2);
+        assert_eq!(found[0].name.as_deref(), Some("blue"));
+        assert_eq!(found[1].name.as_deref(), Some("red"));
+    }
+
+    #[test]
+    fn a_namespace_file_that_vanished_is_gone_not_an_error() {
+        let ns = Namespace {
+            inode: 1,
+            name: None,
+            own: false,
+            path: "/proc/4294967295/ns/net".into(),
+        };
+        let err = run_in(&ns, || ()).unwrap_err();
+        assert!(err.is_gone(), "{err:?}");
+        let visited = visit(std::slice::from_ref(&ns), |_| panic!("not entered"));
+        assert!(visited[0].1.is_gone());
+    }
+
+    #[test]
+    fn own_namespace_runs_inline() {
+        let own = Namespace::at(Path::new("/proc/self/ns/net")).unwrap();
+        assert!(own.own);
+        let me = std::thread::current().id();
+        assert_eq!(run_in(&own, || std::thread::current().id()).unwrap(), me);
+    }
+}
