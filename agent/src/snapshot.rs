@@ -17,6 +17,8 @@ use crate::{
 /// One line of the summary: sockets grouped by (owner process, service port, state).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct Group {
+    /// The network namespace (see [`crate::table::Netns::label`]).
+    pub netns: String,
     pub pid: Option<u32>,
     pub comm: String,
     pub unit: Option<String>,
@@ -32,11 +34,12 @@ pub struct Group {
 
 /// Group sockets, largest group first.
 pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
-    let mut groups: FxHashMap<(Option<u32>, u16, TcpState), Group> = FxHashMap::default();
+    let mut groups: FxHashMap<(u32, Option<u32>, u16, TcpState), Group> = FxHashMap::default();
     for s in socks {
         let g = groups
-            .entry((s.pid(), s.service_port, s.state))
+            .entry((s.netns.inode, s.pid(), s.service_port, s.state))
             .or_insert_with(|| Group {
+                netns: s.netns.label(),
                 pid: s.pid(),
                 comm: s.comm().to_string(),
                 unit: s.unit(),
@@ -218,7 +221,8 @@ fn age_str(s: &Socket) -> String {
 }
 
 pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
-    let mut rows: Vec<[String; 10]> = vec![[
+    let mut rows: Vec<[String; 11]> = vec![[
+        "NETNS".into(),
         "PID".into(),
         "COMM".into(),
         "UNIT".into(),
@@ -232,6 +236,7 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
     ]];
     for s in socks {
         rows.push([
+            s.netns.label(),
             s.pid().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
             s.comm().to_string(),
             s.unit().unwrap_or_else(|| "-".into()),
@@ -244,7 +249,7 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
             s.tx_queue.to_string(),
         ]);
     }
-    let mut widths = [0usize; 10];
+    let mut widths = [0usize; 11];
     for r in &rows {
         for (w, c) in widths.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
@@ -267,7 +272,7 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
     for g in groups {
         let _ = writeln!(
             out,
-            "{:>6}  {} (pid {}{}) port {} {}, oldest {}{}",
+            "{:>6}  {} (pid {}{}{}) port {} {}, oldest {}{}",
             g.count,
             g.comm,
             g.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
@@ -275,6 +280,11 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
                 .as_ref()
                 .map(|u| format!(", {u}"))
                 .unwrap_or_default(),
+            if g.netns == "host" {
+                String::new()
+            } else {
+                format!(", netns {}", g.netns)
+            },
             g.service_port,
             g.state,
             if g.oldest_age_exact { "" } else { "≥" },

@@ -357,6 +357,10 @@ impl Socket {
             .as_ref()
             .and_then(|o| o.unit.as_deref().map(String::from))
     }
+    /// The id of the container the owner runs in, if it runs in one.
+    pub fn container_id(&self) -> Option<&str> {
+        None
+    }
     pub fn queues_empty(&self) -> bool {
         self.rx_queue == 0 && self.tx_queue == 0
     }

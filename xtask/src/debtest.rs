@@ -189,7 +189,7 @@ fn check_installed(files: &[PathBuf]) -> Result<()> {
 fn check_use() -> Result<()> {
     let table = output(Command::new(BIN).arg("snapshot"))?;
     let header = table.lines().next().unwrap_or_default();
-    let is_table = header.starts_with("PID")
+    let is_table = header.starts_with("NETNS")
         && header.contains("STATE")
         && table.contains(" sockets. By owner");
     if !is_table {

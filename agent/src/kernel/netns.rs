@@ -16,7 +16,7 @@ use std::{
         fd::{AsRawFd as _, OwnedFd},
         unix::fs::MetadataExt as _,
     },
-    path::{Path, PathBuf},
+    path::PathBuf,
 };
 
 /// Directories where namespaces get names: `ip netns` (`/var/run` is normally a link to `/run`,
@@ -138,7 +138,7 @@ fn add(found: &mut Vec<Namespace>, inode: u32, name: Option<String>, path: PathB
 impl Namespace {
     /// The namespace of a file.
     #[cfg(test)]
-    pub fn at(path: &Path) -> Result<Namespace, NetnsError> {
+    pub fn at(path: &std::path::Path) -> Result<Namespace, NetnsError> {
         let own = current_inode()?;
         let m = fs::metadata(path).map_err(|source| NetnsError::Open {
             inode: 0,
@@ -319,7 +319,7 @@ mod tests {
 
     #[test]
     fn own_namespace_runs_inline() {
-        let own = Namespace::at(Path::new("/proc/self/ns/net")).unwrap();
+        let own = Namespace::at(std::path::Path::new("/proc/self/ns/net")).unwrap();
         assert!(own.own);
         let me = std::thread::current().id();
         assert_eq!(run_in(&own, || std::thread::current().id()).unwrap(), me);

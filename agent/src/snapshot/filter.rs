@@ -25,6 +25,14 @@ pub struct FilterArgs {
     #[arg(long = "idle-min")]
     #[serde(alias = "idle-min")]
     pub idle_min: Option<String>,
+    /// Only sockets of these network namespaces (comma-separated): a name under /run/netns
+    /// or /run/docker/netns, an inode, `host` (connreap's own), or `all` (the default).
+    #[arg(long)]
+    pub netns: Option<String>,
+    /// Only sockets owned by processes of containers whose id starts with one of these
+    /// (comma-separated; at least 4 characters each).
+    #[arg(long)]
+    pub container: Option<String>,
 }
 
 #[derive(Debug, Default, Clone, PartialEq)]
@@ -34,6 +42,10 @@ pub struct Filter {
     pub pids: Vec<u32>,
     pub comms: Vec<String>,
     pub idle_min: Option<Duration>,
+    /// Namespace selectors (see [`crate::table::Netns::matches`]); empty: every namespace.
+    pub netns: Vec<String>,
+    /// Container id prefixes; empty: any owner, in a container or not.
+    pub containers: Vec<String>,
 }
 
 /// A filter value that does not parse, and why.
@@ -57,6 +69,8 @@ pub enum FilterError {
         #[source]
         source: std::num::ParseIntError,
     },
+    #[error("invalid container `{value}`: give at least 4 hex digits of a container id")]
+    Container { value: String },
     #[error("invalid idle-min `{value}`")]
     IdleMin {
         value: String,
@@ -102,6 +116,19 @@ impl FilterArgs {
                 })
                 .collect::<Result<_, _>>()?,
             comms: items(&self.comm).map(value).collect(),
+            netns: items(&self.netns)
+                .filter(|v| *v != "all")
+                .map(value)
+                .collect(),
+            containers: items(&self.container)
+                .map(|v| {
+                    if v.len() >= 4 && v.bytes().all(|b| b.is_ascii_hexdigit()) {
+                        Ok(v.to_ascii_lowercase())
+                    } else {
+                        Err(FilterError::Container { value: value(v) })
+                    }
+                })
+                .collect::<Result<_, _>>()?,
             idle_min: self
                 .idle_min
                 .as_deref()
@@ -129,6 +156,10 @@ impl Filter {
             && self
                 .idle_min
                 .is_none_or(|min| s.idle.is_some_and(|idle| idle >= min))
+            && (self.netns.is_empty() || self.netns.iter().any(|n| s.netns.matches(n)))
+            && (self.containers.is_empty()
+                || s.container_id()
+                    .is_some_and(|id| self.containers.iter().any(|c| id.starts_with(c.as_str()))))
     }
 }
 

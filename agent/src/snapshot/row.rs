@@ -67,6 +67,8 @@ fn fields<W: RowWriter>(s: &Socket, w: &mut W) -> Result<(), W::Error> {
     w.int(key!("uid"), s.uid.into())?;
     w.word(key!("direction"), s.direction.as_str())?;
     w.int(key!("service_port"), s.service_port.into())?;
+    w.int(key!("netns"), s.netns.inode.into())?;
+    w.text(key!("netns_name"), s.netns.name.as_deref())?;
     if let Some(o) = &s.owner {
         w.int(key!("pid"), o.pid.into())?;
         w.text(key!("comm"), Some(&o.comm))?;
