@@ -2,6 +2,7 @@
 mod alert;
 mod api;
 mod config;
+mod containers;
 mod daemon;
 mod detect;
 mod docs;
