@@ -7,12 +7,28 @@ use std::{
 };
 
 use crate::{
+    containers::{self, PodNames},
     kernel::{
         netns::{self, Namespace},
         procfs, Kernel, KernelError, NsEvent,
     },
-    table::{self, FirstSeen, Holders, Netns, Socket, TableBuilder},
+    table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
+
+/// A process's unit and container, from one read of its cgroup file.
+fn process_facts(pid: u32, pods: &mut PodNames) -> ProcessFacts {
+    let Some(cgroup) = procfs::cgroup(pid) else {
+        return ProcessFacts::default();
+    };
+    let container = containers::from_cgroup(&cgroup).map(|mut c| {
+        pods.fill(&mut c);
+        Arc::new(c)
+    });
+    ProcessFacts {
+        unit: procfs::unit_from_cgroup(&cgroup).map(Arc::from),
+        container,
+    }
+}
 
 /// What the last scan saw of the host's network namespaces.
 #[derive(Debug, Default, Clone)]
@@ -33,7 +49,9 @@ pub struct Scanner {
     pub namespace_report: NamespaceReport,
     host: table::HostInfo,
     first_seen: FirstSeen,
-    units: HashMap<u32, Option<String>>,
+    /// Unit and container of each pid holding sockets (read once per process).
+    facts: HashMap<u32, ProcessFacts>,
+    pods: PodNames,
     /// Size of the previous table, to size the next one.
     last_len: usize,
 }
@@ -52,7 +70,8 @@ impl Scanner {
             namespaces: Vec::new(),
             namespace_report: NamespaceReport::default(),
             first_seen: FirstSeen::default(),
-            units: HashMap::new(),
+            facts: HashMap::new(),
+            pods: PodNames::new("/"),
             last_len: 0,
         }
     }
@@ -120,17 +139,24 @@ impl Scanner {
         let sockets = all.dump;
         let dumps_done = Instant::now();
         let end_ns = procfs::monotonic_ns();
-        // Forget units of pids that hold no socket any more (pids get reused).
+        // Forget pids that hold no socket any more (pids get reused), and pods none of them
+        // runs in.
         let live: HashSet<u32> = holders.pids().collect();
-        self.units.retain(|pid, _| live.contains(pid));
-        let units = &mut self.units;
-        let mut unit_of = |pid: u32| {
-            units
+        self.facts.retain(|pid, _| live.contains(pid));
+        let (facts, pods) = (&mut self.facts, &mut self.pods);
+        let mut facts_of = |pid: u32| {
+            facts
                 .entry(pid)
-                .or_insert_with(|| procfs::unit_of(pid))
+                .or_insert_with(|| process_facts(pid, pods))
                 .clone()
         };
-        let table = b.finish(holders, end_ns, &mut unit_of);
+        let table = b.finish(holders, end_ns, &mut facts_of);
+        let live_pods: HashSet<String> = self
+            .facts
+            .values()
+            .filter_map(|f| f.container.as_ref()?.pod_uid.clone())
+            .collect();
+        self.pods.retain(&live_pods);
         self.last_len = table.len();
         // Where a scan's time goes, for `RUST_LOG=connreap::scan=debug` and the benchmarks:
         // each dump's time in the kernel (the iterator producing records) and in total (plus

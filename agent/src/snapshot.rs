@@ -221,8 +221,9 @@ fn age_str(s: &Socket) -> String {
 }
 
 pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
-    let mut rows: Vec<[String; 11]> = vec![[
+    let mut rows: Vec<[String; 12]> = vec![[
         "NETNS".into(),
+        "CONTAINER".into(),
         "PID".into(),
         "COMM".into(),
         "UNIT".into(),
@@ -237,6 +238,9 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
     for s in socks {
         rows.push([
             s.netns.label(),
+            s.container()
+                .map(|c| c.short_id().to_string())
+                .unwrap_or_else(|| "-".into()),
             s.pid().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
             s.comm().to_string(),
             s.unit().unwrap_or_else(|| "-".into()),
@@ -249,7 +253,7 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
             s.tx_queue.to_string(),
         ]);
     }
-    let mut widths = [0usize; 11];
+    let mut widths = [0usize; 12];
     for r in &rows {
         for (w, c) in widths.iter_mut().zip(r) {
             *w = (*w).max(c.chars().count());
@@ -323,6 +327,7 @@ pub(crate) mod tests {
             pid,
             comm: comm.into(),
             unit: None,
+            container: None,
         }));
         s.fd = 3;
         s

@@ -13,6 +13,8 @@ use std::{
 use connreap_ebpf::tcp_state;
 use serde::{Serialize, Serializer};
 
+use crate::containers::Container;
+
 pub use build::{FirstSeen, Holders, TableBuilder};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -139,6 +141,16 @@ pub struct Owner {
     pub comm: Arc<str>,
     /// systemd unit (or cgroup path) from /proc/<pid>/cgroup.
     pub unit: Option<Arc<str>>,
+    /// The container it runs in, from the same cgroup path (see `containers`).
+    pub container: Option<Arc<Container>>,
+}
+
+/// What a scan knows of a process besides its pid and command name: its systemd unit and
+/// container.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ProcessFacts {
+    pub unit: Option<Arc<str>>,
+    pub container: Option<Arc<Container>>,
 }
 
 /// An IP address and port: what `SocketAddr` prints, in 20 bytes instead of 32 (no IPv6
@@ -357,9 +369,13 @@ impl Socket {
             .as_ref()
             .and_then(|o| o.unit.as_deref().map(String::from))
     }
+    /// The container the owner runs in, if it runs in one.
+    pub fn container(&self) -> Option<&Container> {
+        self.owner.as_ref().and_then(|o| o.container.as_deref())
+    }
     /// The id of the container the owner runs in, if it runs in one.
     pub fn container_id(&self) -> Option<&str> {
-        None
+        self.container().map(|c| c.id.as_str())
     }
     pub fn queues_empty(&self) -> bool {
         self.rx_queue == 0 && self.tx_queue == 0

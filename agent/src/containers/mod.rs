@@ -7,7 +7,7 @@
 //! cached per pod UID. Every file read, relative to the root given to [`PodNames::new`] (`/` in
 //! production), is one of:
 //!
-//! - `/proc/<pid>/cgroup` ([`of_pid`]);
+//! - `/proc/<pid>/cgroup` (read by `kernel::procfs::cgroup`, parsed by [`from_cgroup`]);
 //! - containerd (CRI): `run/containerd/io.containerd.runtime.v2.task/k8s.io/<id>/config.json`,
 //!   and k3s's `run/k3s/containerd/io.containerd.runtime.v2.task/k8s.io/<id>/config.json`: the
 //!   task's OCI spec, annotations `io.kubernetes.cri.sandbox-name`,
@@ -29,13 +29,8 @@
 //! or malformed file means "not known here", never an error. The kubelet's
 //! `var/lib/kubelet/pods/<uid>/etc-hosts` is deliberately not used: it holds the pod's
 //! hostname, which `spec.hostname` overrides and which is the node's for host-network pods.
-// Nothing outside this module uses it until the scan integrates it (issue 17); drop this then.
-#![allow(dead_code, unused_imports)]
-
 mod cgroup;
 mod kube;
-
-use std::fs;
 
 pub use cgroup::from_cgroup;
 pub use kube::PodNames;
@@ -82,73 +77,9 @@ impl Container {
     }
 }
 
-/// Reads `/proc/<pid>/cgroup` once and returns both the systemd unit (exactly what
-/// `crate::kernel::procfs::unit_of` returns) and the container, if any. (None, None) when the
-/// process has gone.
-pub fn of_pid(pid: u32) -> (Option<String>, Option<Container>) {
-    match fs::read_to_string(format!("/proc/{pid}/cgroup")) {
-        Ok(contents) => (unit_from_cgroup(&contents), from_cgroup(&contents)),
-        Err(_) => (None, None),
-    }
-}
-
-/// The same parser as `kernel::procfs`'s (private there; kept identical, which a test checks
-/// through `unit_of`): the last `.service`/`.scope` component of the v2 path (else of the first
-/// v1 line's path), else the path itself; None for the root cgroup.
-fn unit_from_cgroup(contents: &str) -> Option<String> {
-    let path = contents
-        .lines()
-        .find_map(|l| l.strip_prefix("0::"))
-        .or_else(|| {
-            contents
-                .lines()
-                .next()
-                .and_then(|l| l.splitn(3, ':').nth(2))
-        })?
-        .trim();
-    if path.is_empty() || path == "/" {
-        return None;
-    }
-    path.rsplit('/')
-        .find(|c| c.ends_with(".service") || c.ends_with(".scope"))
-        .map(str::to_string)
-        .or_else(|| Some(path.to_string()))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn of_pid_matches_unit_of() {
-        let me = std::process::id();
-        let (unit, _container) = of_pid(me);
-        assert_eq!(unit, crate::kernel::procfs::unit_of(me));
-        assert_eq!(of_pid(u32::MAX), (None, None));
-    }
-
-    #[test]
-    fn units_stay_as_unit_of_gives_them() {
-        let id = "a".repeat(64);
-        let docker = format!("0::/system.slice/docker-{id}.scope\n");
-        assert_eq!(
-            unit_from_cgroup(&docker),
-            Some(format!("docker-{id}.scope"))
-        );
-        assert!(from_cgroup(&docker).is_some());
-        let nginx = "0::/system.slice/nginx.service\n";
-        assert_eq!(unit_from_cgroup(nginx).as_deref(), Some("nginx.service"));
-        assert_eq!(from_cgroup(nginx), None);
-        assert_eq!(unit_from_cgroup("0::/\n"), None);
-        assert_eq!(
-            unit_from_cgroup("0::/mygroup\n").as_deref(),
-            Some("/mygroup")
-        );
-        assert_eq!(
-            unit_from_cgroup("12:pids:/user.slice/session-4.scope\n").as_deref(),
-            Some("session-4.scope")
-        );
-    }
 
     #[test]
     fn runtimes_and_short_ids() {

@@ -400,6 +400,7 @@ pub(crate) mod testutil {
             pid,
             comm: comm.into(),
             unit: None,
+            container: None,
         }));
         s.fd = 3;
         s

@@ -264,6 +264,7 @@ mod tests {
             pid,
             comm: comm.into(),
             unit: None,
+            container: None,
         }));
         s
     }

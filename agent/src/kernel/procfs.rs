@@ -10,12 +10,9 @@ pub fn ephemeral_ports() -> Option<RangeInclusive<u16>> {
         .and_then(|t| parse_port_range(&t))
 }
 
-/// The systemd unit (or cgroup path) of `pid`; None when it has gone or sits in the root
-/// cgroup.
-pub fn unit_of(pid: u32) -> Option<String> {
-    fs::read_to_string(format!("/proc/{pid}/cgroup"))
-        .ok()
-        .and_then(|c| unit_from_cgroup(&c))
+/// The contents of `/proc/<pid>/cgroup`; None when the process has gone.
+pub fn cgroup(pid: u32) -> Option<String> {
+    fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()
 }
 
 /// The command name of process `pid` (its thread-group leader's, as the owner dump reports
@@ -50,7 +47,7 @@ fn parse_port_range(text: &str) -> Option<RangeInclusive<u16>> {
 
 /// systemd unit from the contents of /proc/<pid>/cgroup: the last `.service`/`.scope` path
 /// component, else the cgroup path itself (None for the root cgroup).
-fn unit_from_cgroup(contents: &str) -> Option<String> {
+pub fn unit_from_cgroup(contents: &str) -> Option<String> {
     let path = contents
         .lines()
         .find_map(|l| l.strip_prefix("0::"))

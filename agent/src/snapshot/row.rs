@@ -74,6 +74,13 @@ fn fields<W: RowWriter>(s: &Socket, w: &mut W) -> Result<(), W::Error> {
         w.text(key!("comm"), Some(&o.comm))?;
         w.int(key!("fd"), s.fd.into())?;
         w.text(key!("unit"), o.unit.as_deref())?;
+        if let Some(c) = &o.container {
+            w.text(key!("container"), Some(&c.id))?;
+            w.word(key!("container_runtime"), c.runtime.as_str())?;
+            w.text(key!("pod_uid"), c.pod_uid.as_deref())?;
+            w.text(key!("pod_name"), c.pod_name.as_deref())?;
+            w.text(key!("pod_namespace"), c.pod_namespace.as_deref())?;
+        }
     }
     if !s.shared_with.is_empty() {
         w.pids(key!("shared_with"), &s.shared_with)?;
@@ -275,6 +282,7 @@ mod tests {
                 pid: 77 + i as u32,
                 comm: ["java", "we\"ird\\\u{1}", "", "日本", "x"][i].into(),
                 unit: (i % 2 == 0).then(|| Arc::from("gw.service")),
+                container: None,
             }));
             s.fd = 3;
             rows.push(s.clone());
@@ -307,11 +315,18 @@ mod tests {
             pid: 1,
             comm: "x".into(),
             unit: None,
+            container: Some(Arc::new(crate::containers::Container {
+                id: "ab".repeat(32),
+                runtime: crate::containers::Runtime::Containerd,
+                pod_uid: Some("uid".into()),
+                pod_name: Some("relay-0".into()),
+                pod_namespace: Some("edge".into()),
+            })),
         }));
         s.shared_with = vec![2].into_boxed_slice();
         let row = serde_json::to_value(&s).unwrap();
         let keys: Vec<&String> = row.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 21);
+        assert_eq!(keys.len(), 28);
         for k in keys {
             assert!(
                 k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),

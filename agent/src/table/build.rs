@@ -10,7 +10,8 @@ use connreap_ebpf::{sock_flags, OwnerRecord, SockRecord, AF_INET};
 use rustc_hash::FxHashMap;
 
 use super::{
-    classify, opt_ms, Direction, Endpoint, HostInfo, Netns, Owner, PortSet, Socket, TcpState, NO_MS,
+    classify, opt_ms, Direction, Endpoint, HostInfo, Netns, Owner, PortSet, ProcessFacts, Socket,
+    TcpState, NO_MS,
 };
 
 /// Remembers when the agent first saw each socket whose age the tracker does not know, for a
@@ -259,13 +260,13 @@ impl<'a> TableBuilder<'a> {
     }
 
     /// Direction and service port (now that every listener is known) and owners.
-    /// `unit_of` maps a pid to its systemd unit.
+    /// `facts_of` gives a pid's systemd unit and container.
     /// `end_ns`: when the socket dump ended (CLOCK_MONOTONIC ns, read after it).
     pub fn finish(
         self,
         mut holders: Holders,
         end_ns: u64,
-        unit_of: &mut dyn FnMut(u32) -> Option<String>,
+        facts_of: &mut dyn FnMut(u32) -> ProcessFacts,
     ) -> Vec<Socket> {
         let mut table = self.table;
         let clock = Clock {
@@ -309,10 +310,12 @@ impl<'a> TableBuilder<'a> {
             if let Some(&(_, tgid, fd)) = mine.first() {
                 let owner = procs.entry(tgid).or_insert_with(|| {
                     let comm = holders.comms.get(&tgid).map(comm_str).unwrap_or_default();
+                    let facts = facts_of(tgid);
                     Arc::new(Owner {
                         pid: tgid,
                         comm: comm.into(),
-                        unit: unit_of(tgid).map(Arc::from),
+                        unit: facts.unit,
+                        container: facts.container,
                     })
                 });
                 s.owner = Some(owner.clone());
@@ -326,7 +329,7 @@ impl<'a> TableBuilder<'a> {
     }
 }
 
-/// Build the table from whole dumps. `unit_of` maps a pid to its systemd unit.
+/// Build the table from whole dumps. `facts_of` gives a pid's systemd unit and container.
 #[cfg(test)]
 fn build(
     socks: &[SockRecord],
@@ -334,7 +337,7 @@ fn build(
     host: &HostInfo,
     first_seen: &mut FirstSeen,
     clock: Clock,
-    unit_of: &mut dyn FnMut(u32) -> Option<String>,
+    facts_of: &mut dyn FnMut(u32) -> ProcessFacts,
 ) -> Vec<Socket> {
     let mut b = TableBuilder::new(host, first_seen, socks.len(), clock.start_ns);
     for s in socks {
@@ -344,7 +347,7 @@ fn build(
     for o in owners {
         holders.push(o);
     }
-    b.finish(holders, clock.end_ns, unit_of)
+    b.finish(holders, clock.end_ns, facts_of)
 }
 
 #[cfg(test)]

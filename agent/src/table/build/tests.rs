@@ -69,7 +69,10 @@ fn merges_owner_age_idle_and_service_port() {
         &HostInfo::default(),
         &mut fs,
         NOW,
-        &mut |_| Some("gw.service".into()),
+        &mut |_| ProcessFacts {
+            unit: Some("gw.service".into()),
+            container: None,
+        },
     );
     let cw = t.iter().find(|s| s.state == TcpState::CloseWait).unwrap();
     assert_eq!(cw.age, Duration::from_secs(60));
@@ -111,15 +114,22 @@ fn serializes_the_documented_fields() {
         &HostInfo::default(),
         &mut FirstSeen::default(),
         NOW,
-        &mut |_| Some("gw.service".into()),
+        &mut |_| ProcessFacts {
+            unit: Some("gw.service".into()),
+            container: crate::containers::from_cgroup(&format!(
+                "0::/system.slice/docker-{}.scope\n",
+                "0f".repeat(32)
+            ))
+            .map(Arc::new),
+        },
     );
     assert_eq!(
         serde_json::to_string(&t[1]).unwrap(),
-        r#"{"inode":1002,"cookie":null,"local":"127.0.0.1:8080","peer":"127.0.0.1:40000","state":"CLOSE_WAIT","age_secs":60.0,"age_exact":true,"idle_secs":2.0,"last_recv_secs":10.0,"last_send_secs":2.0,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"inbound","service_port":8080,"pid":77,"comm":"java","fd":3,"unit":"gw.service","shared_with":[99]}"#
+        r#"{"inode":1002,"cookie":null,"local":"127.0.0.1:8080","peer":"127.0.0.1:40000","state":"CLOSE_WAIT","age_secs":60.0,"age_exact":true,"idle_secs":2.0,"last_recv_secs":10.0,"last_send_secs":2.0,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"inbound","service_port":8080,"netns":0,"netns_name":null,"pid":77,"comm":"java","fd":3,"unit":"gw.service","container":"0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f","container_runtime":"docker","pod_uid":null,"pod_name":null,"pod_namespace":null,"shared_with":[99]}"#
     );
     assert_eq!(
         serde_json::to_string(&t[2]).unwrap(),
-        r#"{"inode":1003,"cookie":42,"local":"127.0.0.1:40001","peer":"127.0.0.1:8080","state":"TIME_WAIT","age_secs":0.004,"age_exact":true,"idle_secs":null,"last_recv_secs":null,"last_send_secs":null,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"outbound","service_port":8080}"#
+        r#"{"inode":1003,"cookie":42,"local":"127.0.0.1:40001","peer":"127.0.0.1:8080","state":"TIME_WAIT","age_secs":0.004,"age_exact":true,"idle_secs":null,"last_recv_secs":null,"last_send_secs":null,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"outbound","service_port":8080,"netns":0,"netns_name":null}"#
     );
 }
 
@@ -129,7 +139,7 @@ fn unknown_close_wait_age_is_bounded_by_last_ack() {
     cw.last_ack_jiffies = 3000; // 12 s at 250 Hz
     let mut fs = FirstSeen::default();
     let t = build(&[cw], &[], &HostInfo::default(), &mut fs, NOW, &mut |_| {
-        None
+        ProcessFacts::default()
     });
     assert_eq!(t[0].age, Duration::from_secs(12));
     assert!(!t[0].age_exact);
@@ -148,7 +158,9 @@ fn first_seen_bound_grows_across_scans() {
             start_ns: start_s * 1_000_000_000,
             end_ns: end_s * 1_000_000_000,
         };
-        build(socks, &[], &HostInfo::default(), fs, clock, &mut |_| None)
+        build(socks, &[], &HostInfo::default(), fs, clock, &mut |_| {
+            ProcessFacts::default()
+        })
     };
     assert_eq!(scan(&mut fs, &[s], 100, 102)[0].age, Duration::ZERO);
     // Seen by the end of the first dump (102 s), aged from the second one's start (107 s):
@@ -200,7 +212,7 @@ fn first_seen_and_owners_in_any_order() {
             &HostInfo::default(),
             &mut fs,
             at(now),
-            &mut |_| None,
+            &mut |_| ProcessFacts::default(),
         );
         assert_eq!(t.len(), d.len());
         let mut model = HashMap::new();
@@ -236,7 +248,7 @@ fn decodes_ipv6_and_mapped_addresses() {
         &HostInfo::default(),
         &mut FirstSeen::default(),
         NOW,
-        &mut |_| None,
+        &mut |_| ProcessFacts::default(),
     );
     assert_eq!(t[0].local.to_string(), "[::1]:45000");
     assert_eq!(t[0].peer.to_string(), "[::ffff:10.0.16.36]:8080");
@@ -273,7 +285,7 @@ fn timewait_age_from_the_kernel_stamp() {
         &HostInfo::default(),
         &mut fs,
         clock,
-        &mut |_| None,
+        &mut |_| ProcessFacts::default(),
     );
     let ages: Vec<_> = t.iter().map(|s| (s.age, s.age_exact)).collect();
     assert_eq!(
@@ -299,7 +311,7 @@ fn time_wait_has_no_idle() {
         &HostInfo::default(),
         &mut FirstSeen::default(),
         NOW,
-        &mut |_| None,
+        &mut |_| ProcessFacts::default(),
     );
     assert_eq!(t[0].idle, None);
 }
