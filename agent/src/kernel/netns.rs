@@ -23,6 +23,9 @@ use std::{
 /// so both are read and the duplicates dropped by inode) and Docker.
 const NAMED_DIRS: [&str; 3] = ["/run/netns", "/var/run/netns", "/run/docker/netns"];
 
+/// Set once the missing-CAP_SYS_PTRACE warning was logged (it would repeat on every scan).
+static WARNED_DENIED: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
 /// One network namespace of the host.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Namespace {
@@ -108,12 +111,21 @@ pub fn discover() -> Result<Vec<Namespace>, NetnsError> {
         })
         .unwrap_or_default();
     pids.sort_unstable();
+    let mut denied = 0usize;
     for pid in pids {
         let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
-        // A process that exited meanwhile, or a kernel thread's missing link: skipped.
-        if let Ok(m) = fs::metadata(&path) {
-            add(&mut found, m.ino() as u32, None, path);
+        match fs::metadata(&path) {
+            Ok(m) => add(&mut found, m.ino() as u32, None, path),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => denied += 1,
+            // A process that exited meanwhile: skipped.
+            Err(_) => {}
         }
+    }
+    if denied > 0 && !WARNED_DENIED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::warn!(
+            processes = denied,
+            "cannot read the network namespace of some processes (other users' processes need CAP_SYS_PTRACE): their unnamed namespaces are not scanned"
+        );
     }
     Ok(found)
 }
