@@ -100,6 +100,7 @@ impl Scanner {
         let mut holders = Holders::default();
         // Every namespace, rediscovered on each scan: pods come and go.
         let spaces = netns::discover().map_err(KernelError::Netns)?;
+        let discovered = start.elapsed();
         let on_socket = |e: NsEvent<'_>| match e {
             NsEvent::Enter(ns) => b.begin_namespace(
                 Arc::new(Netns {
@@ -165,6 +166,7 @@ impl Scanner {
         let us = |d: Duration| d.as_micros() as u64;
         tracing::debug!(
             namespaces = all.namespaces,
+            discover_us = us(discovered),
             sockets = sockets.records,
             owner_records = owners.records,
             socket_dump_kernel_us = us(sockets.in_kernel),

@@ -121,13 +121,30 @@ pub fn discover() -> Result<Vec<Namespace>, NetnsError> {
             Err(_) => {}
         }
     }
-    if denied > 0 && !WARNED_DENIED.swap(true, std::sync::atomic::Ordering::Relaxed) {
+    // With CAP_SYS_PTRACE a refusal is some other protection (a process of another user
+    // namespace, say): nothing the operator can grant.
+    if denied > 0
+        && !has_cap_sys_ptrace()
+        && !WARNED_DENIED.swap(true, std::sync::atomic::Ordering::Relaxed)
+    {
         tracing::warn!(
             processes = denied,
             "cannot read the network namespace of some processes (other users' processes need CAP_SYS_PTRACE): their unnamed namespaces are not scanned"
         );
     }
     Ok(found)
+}
+
+/// Whether the calling thread has CAP_SYS_PTRACE in its effective set (`CapEff` of its
+/// /proc status; bit 19).
+fn has_cap_sys_ptrace() -> bool {
+    fs::read_to_string("/proc/thread-self/status")
+        .ok()
+        .and_then(|s| {
+            let hex = s.lines().find_map(|l| l.strip_prefix("CapEff:"))?;
+            u64::from_str_radix(hex.trim(), 16).ok()
+        })
+        .is_some_and(|eff| eff & (1 << 19) != 0)
 }
 
 /// Add a namespace unless known; a name found later for a known namespace is kept.
