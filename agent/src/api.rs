@@ -44,6 +44,8 @@ pub struct Published {
     pub webhook_queued: usize,
     /// The state tracker is detached and could not be re-attached: why.
     pub tracker_problem: Option<String>,
+    /// Network namespaces the last scan could not enter or dump (inode, why).
+    pub netns_failed: Vec<(u32, String)>,
 }
 
 pub struct AppState {
@@ -101,6 +103,9 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     // would not help), with each problem named.
     let mut problems: Vec<String> = st.tasks.failures();
     problems.extend(p.tracker_problem.clone());
+    problems.extend(p.netns_failed.iter().map(|(inode, why)| {
+        format!("network namespace {inode} not scanned, its sockets are missing: {why}")
+    }));
     if let Some(e) = &st.engine.status.borrow().audit_error {
         problems.push(format!(
             "audit log not writable, enforce policies kill nothing: {e}"

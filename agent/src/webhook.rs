@@ -49,8 +49,9 @@ pub fn body(n: &Notification, format: WebhookFormat, am: &AmContext) -> Option<V
 }
 
 /// A finding as an Alertmanager alert. Labels are its identity (they must not change while
-/// it fires: kind, fingerprint, host, command, unit, service port, quota, severity); what
-/// changes (pids, counts, the verdict's text) goes in annotations.
+/// it fires: kind, fingerprint, host, network namespace, container and pod, command, unit,
+/// service port, quota, severity); what changes (pids, counts, the verdict's text) and the
+/// full attribution (namespace inode, container id and runtime, pod UID) go in annotations.
 fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     let f = &alert.finding;
     let severity = am
@@ -76,6 +77,16 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     if let Some(q) = &f.quota {
         labels["quota"] = json!(q.name);
     }
+    labels["netns"] = json!(f.netns_label());
+    if let Some(c) = &f.container {
+        labels["container"] = json!(c.short_id());
+        if let Some(pod) = &c.pod_name {
+            labels["pod"] = json!(pod);
+        }
+        if let Some(ns) = &c.pod_namespace {
+            labels["pod_namespace"] = json!(ns);
+        }
+    }
     let resend = am.resend;
     // A firing alert is re-posted every `resend` and valid for four of those, as Prometheus
     // does: a restarted Alertmanager has it back within one resend, a dead agent's alert
@@ -91,17 +102,27 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
             rfc3339(now.checked_add_signed(valid).unwrap_or(now))
         }
     };
+    let mut annotations = json!({
+        "summary": f.summary,
+        "count": f.count.to_string(),
+        "oldest_age_secs": f.oldest_age_secs.to_string(),
+        "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
+        "pids": f.processes.iter().filter_map(|p| p.pid).map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+        "verdict": f.verdict.map_or("", |v| v.as_str()),
+        "change": alert.change.as_deref().unwrap_or(""),
+        "netns": f.netns.to_string(),
+        "netns_name": f.netns_name.as_deref().unwrap_or(""),
+    });
+    if let Some(c) = &f.container {
+        annotations["container"] = json!(c.id);
+        annotations["container_runtime"] = json!(c.runtime.as_str());
+        annotations["pod_uid"] = json!(c.pod_uid.as_deref().unwrap_or(""));
+        annotations["pod_name"] = json!(c.pod_name.as_deref().unwrap_or(""));
+        annotations["pod_namespace"] = json!(c.pod_namespace.as_deref().unwrap_or(""));
+    }
     json!([{
         "labels": labels,
-        "annotations": {
-            "summary": f.summary,
-            "count": f.count.to_string(),
-            "oldest_age_secs": f.oldest_age_secs.to_string(),
-            "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
-            "pids": f.processes.iter().filter_map(|p| p.pid).map(|p| p.to_string()).collect::<Vec<_>>().join(","),
-            "verdict": f.verdict.map_or("", |v| v.as_str()),
-            "change": alert.change.as_deref().unwrap_or(""),
-        },
+        "annotations": annotations,
         "startsAt": rfc3339(alert.started_at),
         "endsAt": ends_at,
         "generatorURL": format!("{}/v1/findings?fingerprint={}", am.api_base, urlencode(&f.fingerprint)),

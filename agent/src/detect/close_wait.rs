@@ -1,7 +1,7 @@
 //! close_wait_buildup: a process that never closes sockets its peers closed.
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{describe_owners, oldest_briefs, owner_identity, processes, Finding, Kind};
+use super::{describe_owners, oldest_briefs, owner_identity, processes, scope, Finding, Kind};
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
@@ -13,25 +13,30 @@ pub fn detect(
     cfg: &DetectConfig,
     prev_counts: &mut BTreeMap<String, usize>,
 ) -> Vec<Finding> {
-    // The threshold is per process (a pool's limit is); the finding's identity is what
+    // The threshold is per process (a pool's limit is) and namespace (a process may hold
+    // sockets of several; every pod has its own port 8080); the finding's identity is what
     // survives a restart of the leaking service (see `owner_identity`).
-    let mut groups: BTreeMap<(Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
+    let mut groups: BTreeMap<(u32, Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
     for s in table {
         if s.state == TcpState::CloseWait && s.age >= cfg.close_wait_min_age {
-            groups.entry((s.pid(), s.service_port)).or_default().push(s);
+            groups
+                .entry((s.netns.inode, s.pid(), s.service_port))
+                .or_default()
+                .push(s);
         }
     }
     let stuck_long = cfg.close_wait_min_age.saturating_mul(10);
     let mut counts = BTreeMap::new();
     let mut out = Vec::new();
-    for ((_, port), socks) in groups {
+    for ((_, _, port), socks) in groups {
         let oldest = socks.iter().map(|s| s.age).max().unwrap_or_default();
         let oldest_exact = socks
             .iter()
             .filter(|s| s.age == oldest)
             .all(|s| s.age_exact);
         let key = format!("{}:{port}", owner_identity(socks[0]));
-        counts.insert(key.clone(), socks.len());
+        let scoped_key = format!("{key}{}", scope::ns_part(&socks[0].netns));
+        counts.insert(scoped_key.clone(), socks.len());
         if socks.len() < cfg.close_wait_threshold && oldest < stuck_long {
             continue;
         }
@@ -54,13 +59,15 @@ pub fn detect(
                 if oldest_exact { "" } else { "≥" },
                 human(oldest),
             ),
-        );
+        )
+        .scoped(&socks[0].netns, socks[0].container());
         f.service_port = Some(port);
         f.count = socks.len();
         f.oldest_age_secs = round_secs(oldest);
         f.processes = owners;
         f.sockets = oldest_briefs(socks.iter().copied());
-        f.growth = Some(socks.len() as i64 - prev_counts.get(&key).copied().unwrap_or(0) as i64);
+        f.growth =
+            Some(socks.len() as i64 - prev_counts.get(&scoped_key).copied().unwrap_or(0) as i64);
         out.push(f);
     }
     *prev_counts = counts;

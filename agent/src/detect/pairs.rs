@@ -23,24 +23,26 @@ impl Pair<'_> {
     }
 }
 
-/// Pairs of sockets among `socks` that are the two ends of one connection.
+/// Pairs of sockets among `socks` that are the two ends of one connection: both in one network
+/// namespace (two namespaces can each hold `127.0.0.1:X <-> 127.0.0.1:Y`, which are different
+/// connections).
 pub fn local_pairs<'a, I>(socks: I) -> Vec<Pair<'a>>
 where
     I: IntoIterator<Item = &'a Socket>,
     I::IntoIter: Clone,
 {
     let socks = socks.into_iter();
-    let by_tuple: FxHashMap<(SocketAddr, SocketAddr), &Socket> = socks
+    let by_tuple: FxHashMap<(u32, SocketAddr, SocketAddr), &Socket> = socks
         .clone()
         .filter(|s| s.state != TcpState::Listen)
-        .map(|s| ((canon(s.local), canon(s.peer)), s))
+        .map(|s| ((s.netns.inode, canon(s.local), canon(s.peer)), s))
         .collect();
     let mut out = Vec::new();
     for s in socks {
         if s.state == TcpState::Listen || s.direction == Direction::Inbound {
             continue;
         }
-        if let Some(other) = by_tuple.get(&(canon(s.peer), canon(s.local))) {
+        if let Some(other) = by_tuple.get(&(s.netns.inode, canon(s.peer), canon(s.local))) {
             if other.direction == Direction::Inbound || s.local.port() > other.local.port() {
                 out.push(Pair {
                     client: s,
@@ -61,17 +63,21 @@ fn stuck(s: &Socket, cfg: &DetectConfig) -> bool {
 pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
     // Both ends of a stuck pair are stuck: pair only those sockets (not the whole table).
     let candidates = table.iter().filter(|s| stuck(s, cfg));
-    let mut groups: BTreeMap<(Option<u32>, Option<u32>, u16), Vec<Pair<'_>>> = BTreeMap::new();
+    type Key = (u32, Option<u32>, Option<u32>, u16);
+    let mut groups: BTreeMap<Key, Vec<Pair<'_>>> = BTreeMap::new();
     for p in local_pairs(candidates) {
         if stuck(p.client, cfg) && stuck(p.server, cfg) {
-            groups
-                .entry((p.client.pid(), p.server.pid(), p.service_port()))
-                .or_default()
-                .push(p);
+            let key = (
+                p.client.netns.inode,
+                p.client.pid(),
+                p.server.pid(),
+                p.service_port(),
+            );
+            groups.entry(key).or_default().push(p);
         }
     }
     let mut out = Vec::new();
-    for ((_, _, port), pairs) in groups {
+    for ((_, _, _, port), pairs) in groups {
         if pairs.len() < cfg.stuck_pair_threshold {
             continue;
         }
@@ -82,6 +88,7 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
             comm: x.comm().to_string(),
             unit: x.unit(),
             count: pairs.len(),
+            container: x.container_id().map(String::from),
         };
         let procs = vec![owner(c, cpid), owner(s, spid)];
         let oldest = pairs
@@ -107,7 +114,8 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
                 human(min_idle),
                 human(oldest),
             ),
-        );
+        )
+        .scoped(&c.netns, s.container());
         f.service_port = Some(port);
         f.count = pairs.len();
         f.oldest_age_secs = round_secs(oldest);
