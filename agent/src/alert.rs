@@ -326,6 +326,25 @@ mod tests {
         );
     }
 
+    /// The same problem in two namespaces is two alerts, each resolving on its own.
+    #[test]
+    fn one_alert_per_namespace() {
+        use crate::detect::scope_testutil::netns;
+        let mut t = Tracker::new("h1".into(), cadence(7200));
+        let (t0, w0) = (Instant::now(), Utc::now());
+        let a = finding("java:8080", 20).scoped(&netns(1, Some("a")), None);
+        let b = finding("java:8080", 20).scoped(&netns(2, Some("b")), None);
+        let u = t.update(vec![a.clone(), b], t0, w0);
+        assert_eq!((u.current.len(), u.notify.len()), (2, 2));
+        let u = t.update(vec![a], t0 + Duration::from_secs(5), w0);
+        assert_eq!(u.current.len(), 1);
+        assert!(
+            matches!(&u.notify[..], [Notification::Resolved(r)] if r.finding.netns == 2),
+            "{:?}",
+            u.notify
+        );
+    }
+
     #[test]
     fn alertmanager_gets_refreshes_between_updates() {
         let mut t = Tracker::new("h1".into(), cadence(60));

@@ -386,5 +386,79 @@ mod tests {
         let j = body(&a, WebhookFormat::Json, &am).unwrap();
         assert_eq!(j["status"], "resolved");
         assert_eq!(j["host"], "relay-1");
+        // connreap's own namespace: labelled "host", no container labels.
+        assert_eq!(first["labels"]["netns"], "host");
+        for key in ["container", "pod", "pod_namespace"] {
+            assert!(first["labels"].get(key).is_none(), "{key}: {first}");
+        }
+    }
+
+    /// A finding in a pod: namespace, short container id, pod and its namespace as labels;
+    /// the full attribution in annotations and in the JSON body.
+    #[test]
+    fn alerts_carry_namespace_and_container() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns},
+        };
+        let c = container("abcdef", Runtime::Containerd, Some(("shop", "web-1")));
+        let f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, "java:8080")
+            .scoped(&netns(4026532001, Some("cni-1")), Some(&c));
+        let a = Notification::Fired(Alert {
+            finding: f,
+            status: Status::Firing,
+            host: "node-1".into(),
+            started_at: "2026-12-02T10:00:00Z".parse().unwrap(),
+            ended_at: None,
+            duration_secs: None,
+            change: None,
+        });
+        let am = AmContext::default();
+        let b = body(&a, WebhookFormat::Alertmanager, &am).unwrap();
+        let (labels, ann) = (&b[0]["labels"], &b[0]["annotations"]);
+        assert_eq!(labels["netns"], "cni-1");
+        assert_eq!(labels["container"], "abcdef000000");
+        assert_eq!(labels["pod"], "web-1");
+        assert_eq!(labels["pod_namespace"], "shop");
+        assert_eq!(
+            labels["fingerprint"],
+            "close_wait_buildup:java:8080@netns:cni-1"
+        );
+        assert_eq!(ann["netns"], "4026532001");
+        assert_eq!(ann["netns_name"], "cni-1");
+        assert_eq!(ann["container"], c.id.as_str());
+        assert_eq!(ann["container_runtime"], "containerd");
+        assert_eq!(ann["pod_uid"], c.pod_uid.as_deref().unwrap());
+        let j = body(&a, WebhookFormat::Json, &am).unwrap();
+        assert_eq!(j["netns"], 4026532001u32);
+        assert_eq!(j["netns_name"], "cni-1");
+        assert_eq!(j["container"], c.id.as_str());
+        assert_eq!(j["container_runtime"], "containerd");
+        assert_eq!(j["pod_name"], "web-1");
+        assert_eq!(j["pod_namespace"], "shop");
+        assert_eq!(j["pod_uid"], c.pod_uid.as_deref().unwrap());
+        // A container without a known pod: no pod labels.
+        let bare = container("0a0a", Runtime::Docker, None);
+        let f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, "java:8080")
+            .scoped(&crate::table::Netns::unknown(), Some(&bare));
+        let n = Notification::Fired(Alert {
+            finding: f,
+            status: Status::Firing,
+            host: "node-1".into(),
+            started_at: "2026-12-02T10:00:00Z".parse().unwrap(),
+            ended_at: None,
+            duration_secs: None,
+            change: None,
+        });
+        let b = body(&n, WebhookFormat::Alertmanager, &am).unwrap();
+        let labels = &b[0]["labels"];
+        assert_eq!(
+            (labels["netns"].as_str(), labels["container"].as_str()),
+            (Some("host"), Some("0a0a00000000"))
+        );
+        assert!(
+            labels.get("pod").is_none() && labels.get("pod_namespace").is_none(),
+            "{labels}"
+        );
     }
 }

@@ -127,6 +127,95 @@ mod tests {
         assert_eq!(f[0].count, 1);
     }
 
+    /// Two pods, each with its process holding 20 CLOSE_WAIT on port 8080: two findings, each
+    /// naming its namespace and pod; the same in connreap's own namespace keeps its old
+    /// fingerprint.
+    #[test]
+    fn two_namespaces_on_one_port_are_two_findings() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns, place},
+        };
+        let cfg = DetectConfig::default();
+        let pods = [
+            (netns(4026532001, Some("cni-a")), "aaaa", "web-a"),
+            (netns(4026532002, None), "bbbb", "web-b"),
+        ];
+        let mut t = Vec::new();
+        for (i, (ns, id, pod)) in pods.iter().enumerate() {
+            let c = container(id, Runtime::Containerd, Some(("shop", pod)));
+            for s in cw(100 + i as u32, 20, 100) {
+                let mut s = place(s, ns, Some(&c));
+                s.service_port = 8080;
+                t.push(s);
+            }
+        }
+        let mut f = detect(&t, &cfg, &mut BTreeMap::new());
+        f.sort_by_key(|f| f.netns);
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert_eq!(
+            f[0].fingerprint,
+            "close_wait_buildup:java@pod:shop/web-a:8080@netns:cni-a"
+        );
+        assert_eq!(
+            f[1].fingerprint,
+            "close_wait_buildup:java@pod:shop/web-b:8080@netns:4026532002"
+        );
+        assert_eq!(
+            (f[0].netns, f[0].netns_name.as_deref()),
+            (4026532001, Some("cni-a"))
+        );
+        assert_eq!((f[1].netns, f[1].netns_name.as_deref()), (4026532002, None));
+        assert_eq!(f[1].netns_label(), "4026532002");
+        let c = f[0].container.as_ref().expect("container");
+        assert_eq!(
+            (c.short_id(), c.pod_name.as_deref()),
+            ("aaaa00000000", Some("web-a"))
+        );
+        assert_eq!(f[0].processes[0].container.as_deref(), Some(c.id.as_str()));
+        assert!(
+            f[0].summary
+                .ends_with("; in netns cni-a, pod shop/web-a (containerd aaaa00000000)"),
+            "{}",
+            f[0].summary
+        );
+        // Growth is per namespace too.
+        assert_eq!((f[0].growth, f[1].growth), (Some(20), Some(20)));
+        let json = serde_json::to_value(&f[0]).expect("serializes");
+        assert_eq!(json["netns"], 4026532001u32);
+        assert_eq!(json["netns_name"], "cni-a");
+        assert_eq!(json["container"], c.id.as_str());
+        assert_eq!(json["container_runtime"], "containerd");
+        assert_eq!(json["pod_name"], "web-a");
+        assert_eq!(json["pod_namespace"], "shop");
+        assert!(json.get("netns_own").is_none(), "{json}");
+        // The same leak in connreap's own namespace, outside containers: the fingerprint as it
+        // always was, no container fields.
+        let f = detect(&cw(7, 20, 100), &cfg, &mut BTreeMap::new());
+        assert_eq!(f[0].fingerprint, "close_wait_buildup:java:80");
+        assert_eq!(f[0].netns_label(), "host");
+        let json = serde_json::to_value(&f[0]).expect("serializes");
+        assert!(json.get("container").is_none(), "{json}");
+        assert_eq!(json["netns_name"], serde_json::Value::Null);
+    }
+
+    #[test]
+    fn one_process_in_two_namespaces_is_two_groups() {
+        use crate::detect::scope_testutil::netns;
+        let cfg = DetectConfig::default();
+        let other = netns(9, Some("blue"));
+        let mut t = cw(7, 10, 100);
+        t.extend(
+            cw(7, 10, 100)
+                .into_iter()
+                .map(|s| crate::detect::scope_testutil::place(s, &other, None)),
+        );
+        assert!(
+            detect(&t, &cfg, &mut BTreeMap::new()).is_empty(),
+            "10 + 10 in two namespaces"
+        );
+    }
+
     #[test]
     fn groups_per_process() {
         let cfg = DetectConfig::default();

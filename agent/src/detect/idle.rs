@@ -255,6 +255,44 @@ mod tests {
         assert!(detect(&t, &cfg).is_empty());
     }
 
+    /// The other end of a connection is looked for in the socket's namespace only: a socket
+    /// with the same addresses in another namespace is another connection.
+    #[test]
+    fn other_ends_and_groups_are_per_namespace() {
+        use crate::detect::scope_testutil::{netns, place};
+        let cfg = DetectConfig::default();
+        let (a, b) = (netns(31, Some("a")), netns(32, Some("b")));
+        let mut t: Vec<Socket> = ghosts(64, 8, 700)
+            .into_iter()
+            .map(|s| place(s, &a, None))
+            .collect();
+        let mut client = sock(
+            9,
+            "client",
+            &t[0].peer.to_string(),
+            &t[0].local.to_string(),
+            TcpState::Established,
+        );
+        client.skaddr = 1;
+        client.direction = Direction::Outbound;
+        t.push(place(client, &b, None));
+        let f = detect(&t, &cfg);
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].count, 64);
+        assert_eq!(f[0].netns, 31);
+        assert_eq!(
+            f[0].fingerprint,
+            "idle_established_buildup:server:8080@netns:a"
+        );
+        // 32 + 32 of one process in two namespaces: under the threshold in each.
+        let t: Vec<Socket> = ghosts(64, 8, 700)
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| place(s, if i % 2 == 0 { &a } else { &b }, None))
+            .collect();
+        assert!(detect(&t, &cfg).is_empty());
+    }
+
     #[test]
     fn groups_per_process_and_port_and_caps_peers() {
         let cfg = DetectConfig {

@@ -413,6 +413,49 @@ mod merge_tests {
         assert_eq!(pids, vec![Some(7), Some(8)]);
         assert!(f[0].summary.contains("+1 more process"), "{}", f[0].summary);
     }
+
+    /// Replicas of one service in two pods (two namespaces) stay two findings, and so do two
+    /// containers of the same command in connreap's own namespace (host network).
+    #[test]
+    fn same_command_in_two_pods_or_containers_never_merges() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns, place},
+        };
+        let cfg = DetectConfig::default();
+        let cases = [
+            (netns(11, Some("a")), netns(12, Some("b"))),
+            (Netns::unknown(), Netns::unknown()),
+        ];
+        for (na, nb) in cases {
+            let mut t: Vec<Socket> = Vec::new();
+            for (pid, ns, id) in [(7u32, &na, "aaaa"), (8, &nb, "bbbb")] {
+                let c = container(id, Runtime::Docker, None);
+                for i in 0..20u16 {
+                    let s = testutil::sock(
+                        pid,
+                        "java",
+                        &format!("10.0.0.5:{}", 40000 + i),
+                        "10.0.16.36:80",
+                        TcpState::CloseWait,
+                    );
+                    t.push(place(s, ns, Some(&c)));
+                }
+            }
+            let storm = StormTracker::default();
+            let input = Input {
+                table: &t,
+                cfg: &cfg,
+                quota_cfgs: &[],
+                quotas: &[],
+                storm: &storm,
+            };
+            let f = run(&input, &mut Memory::default());
+            assert_eq!(f.len(), 2, "{f:?}");
+            assert_ne!(f[0].fingerprint, f[1].fingerprint);
+            assert!(f.iter().all(|f| f.count == 20 && f.processes.len() == 1));
+        }
+    }
 }
 
 #[cfg(test)]

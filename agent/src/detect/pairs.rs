@@ -167,6 +167,61 @@ mod tests {
         );
     }
 
+    /// Two namespaces each hold `127.0.0.1:X <-> 127.0.0.1:25001`: each pairs with its own
+    /// other end, never across; a client whose server is in another namespace pairs with
+    /// nothing.
+    #[test]
+    fn pairs_never_cross_namespaces() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns, place},
+        };
+        let cfg = DetectConfig::default();
+        let (a, b) = (netns(21, Some("a")), netns(22, Some("b")));
+        let srv = container("5e5e", Runtime::Podman, None);
+        let mut t = Vec::new();
+        for ns in [&a, &b] {
+            for i in 0..16 {
+                let [c, s] = pair(i, 400);
+                t.push(place(c, ns, None));
+                t.push(place(s, ns, Some(&srv)));
+            }
+        }
+        let p = local_pairs(&t);
+        assert_eq!(p.len(), 32);
+        assert!(p
+            .iter()
+            .all(|p| p.client.netns.inode == p.server.netns.inode));
+        let mut f = detect(&t, &cfg);
+        f.sort_by_key(|f| f.netns);
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert_eq!(
+            f[0].fingerprint,
+            "stuck_established_pairs:node->relay@podman:5e5e00000000:25001@netns:a"
+        );
+        assert!(
+            f[1].fingerprint.ends_with("@netns:b"),
+            "{}",
+            f[1].fingerprint
+        );
+        assert_eq!((f[0].count, f[1].count), (16, 16));
+        assert_eq!(
+            f[0].container.as_ref().map(|c| c.short_id()),
+            Some("5e5e00000000")
+        );
+        assert_eq!(f[0].processes[0].container, None);
+        assert!(f[0].processes[1].container.is_some());
+        // Clients in namespace a, servers in b: no connection between them is local.
+        let split: Vec<Socket> = (0..16)
+            .flat_map(|i| {
+                let [c, s] = pair(i, 400);
+                [place(c, &a, None), place(s, &b, None)]
+            })
+            .collect();
+        assert!(local_pairs(&split).is_empty());
+        assert!(detect(&split, &cfg).is_empty());
+    }
+
     #[test]
     fn fires_for_idle_pairs_only() {
         let cfg = DetectConfig::default();

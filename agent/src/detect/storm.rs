@@ -265,6 +265,80 @@ mod tests {
         );
     }
 
+    /// Events carry no namespace: the process is placed by its sockets in the table (its
+    /// sockets to the storm's port first), once; without any, in connreap's own namespace.
+    #[test]
+    fn processes_are_placed_by_their_sockets() {
+        use crate::{
+            containers::Runtime,
+            detect::{
+                scope_testutil::{container, netns, place},
+                testutil::sock,
+            },
+            table::TcpState,
+        };
+        let cfg = DetectConfig::default();
+        let pod = netns(41, Some("cni-x"));
+        let other = netns(42, Some("elsewhere"));
+        let c = container("c0c0", Runtime::Crio, Some(("shop", "client-1")));
+        let to_port = place(
+            sock(
+                5,
+                "client",
+                "10.0.0.2:50000",
+                "10.0.0.9:443",
+                TcpState::SynSent,
+            ),
+            &pod,
+            Some(&c),
+        );
+        let unrelated = place(
+            sock(
+                5,
+                "client",
+                "10.1.0.2:50001",
+                "10.1.0.9:80",
+                TcpState::Established,
+            ),
+            &other,
+            Some(&c),
+        );
+        let table = [unrelated, to_port];
+        let mut t = StormTracker::default();
+        for n in [60, 80, 120] {
+            for _ in 0..n {
+                t.record_connect(key());
+            }
+            // The table is seen at the first window only: the place sticks.
+            let seen: &[Socket] = if n == 60 { &table } else { &[] };
+            t.close_window(Duration::from_secs(1), &cfg, seen);
+        }
+        let f = t.findings(&cfg);
+        assert_eq!(f.len(), 1);
+        assert_eq!(
+            f[0].fingerprint,
+            "reconnect_storm:client@pod:shop/client-1:443@netns:cni-x"
+        );
+        assert_eq!(
+            (f[0].netns, f[0].netns_name.as_deref()),
+            (41, Some("cni-x"))
+        );
+        assert_eq!(f[0].processes[0].container.as_deref(), Some(c.id.as_str()));
+        assert!(
+            f[0].summary.contains("; in netns cni-x, pod shop/client-1"),
+            "{}",
+            f[0].summary
+        );
+        // Never seen in the table: connreap's own namespace, the fingerprint as always.
+        let mut t = StormTracker::default();
+        for n in [60, 80, 120] {
+            window(&mut t, n, &cfg);
+        }
+        let f = t.findings(&cfg);
+        assert_eq!(f[0].fingerprint, "reconnect_storm:client:443");
+        assert_eq!(f[0].netns_label(), "host");
+    }
+
     #[test]
     fn growth_below_threshold_is_quiet() {
         let cfg = DetectConfig::default();

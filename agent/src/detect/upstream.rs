@@ -433,6 +433,30 @@ mod tests {
         }
     }
 
+    /// The chain inside one namespace is followed as on the host; a proxy whose end of the hop
+    /// is in another namespace (same addresses, another connection) feeds nothing.
+    #[test]
+    fn the_hop_is_followed_inside_one_namespace_only() {
+        use crate::detect::scope_testutil::{netns, place};
+        let (a, b) = (netns(51, Some("a")), netns(52, Some("b")));
+        let inside: Vec<Socket> = chain(64, 1, 360, 360)
+            .into_iter()
+            .map(|s| place(s, &a, None))
+            .collect();
+        let f = run(&inside, false);
+        assert_eq!(f.upstream.len(), 1, "{}", f.summary);
+        assert_eq!((f.upstream[0].pid, f.upstream[0].count), (Some(10), 64));
+        let split: Vec<Socket> = chain(64, 1, 360, 360)
+            .into_iter()
+            .map(|s| {
+                let ns = if s.comm() == "node" { &b } else { &a };
+                place(s, ns, None)
+            })
+            .collect();
+        let f = run(&split, false);
+        assert!(f.upstream.is_empty(), "{:?}", f.upstream);
+    }
+
     #[test]
     fn busy_upstream_makes_the_verdict_load() {
         let f = run(&chain(64, 1, 360, 1), false);
