@@ -317,11 +317,31 @@ mod tests {
             comm: "node".into(),
             unit: None,
             count: 1,
+            container: None,
         });
         let u = t.update(vec![f], at(202), w0);
         assert_eq!(
             alert(&u.notify[0]).change.as_deref(),
             Some("new process node pid 812")
+        );
+    }
+
+    /// The same problem in two namespaces is two alerts, each resolving on its own.
+    #[test]
+    fn one_alert_per_namespace() {
+        use crate::detect::scope_testutil::netns;
+        let mut t = Tracker::new("h1".into(), cadence(7200));
+        let (t0, w0) = (Instant::now(), Utc::now());
+        let a = finding("java:8080", 20).scoped(&netns(1, Some("a")), None);
+        let b = finding("java:8080", 20).scoped(&netns(2, Some("b")), None);
+        let u = t.update(vec![a.clone(), b], t0, w0);
+        assert_eq!((u.current.len(), u.notify.len()), (2, 2));
+        let u = t.update(vec![a], t0 + Duration::from_secs(5), w0);
+        assert_eq!(u.current.len(), 1);
+        assert!(
+            matches!(&u.notify[..], [Notification::Resolved(r)] if r.finding.netns == 2),
+            "{:?}",
+            u.notify
         );
     }
 

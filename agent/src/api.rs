@@ -44,6 +44,8 @@ pub struct Published {
     pub webhook_queued: usize,
     /// The state tracker is detached and could not be re-attached: why.
     pub tracker_problem: Option<String>,
+    /// Network namespaces the last scan could not enter or dump (inode, why).
+    pub netns_failed: Vec<(u32, String)>,
 }
 
 pub struct AppState {
@@ -101,6 +103,7 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     // would not help), with each problem named.
     let mut problems: Vec<String> = st.tasks.failures();
     problems.extend(p.tracker_problem.clone());
+    problems.extend(netns_problems(&p.netns_failed));
     if let Some(e) = &st.engine.status.borrow().audit_error {
         problems.push(format!(
             "audit log not writable, enforce policies kill nothing: {e}"
@@ -129,6 +132,13 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
         StatusCode::SERVICE_UNAVAILABLE
     };
     (code, Json(body)).into_response()
+}
+
+/// /healthz problems for the namespaces the last scan could not enter or dump.
+fn netns_problems(failed: &[(u32, String)]) -> impl Iterator<Item = String> + '_ {
+    failed.iter().map(|(inode, why)| {
+        format!("network namespace {inode} not scanned, its sockets are missing: {why}")
+    })
 }
 
 /// OpenMetrics, or the Prometheus text format when the scraper's `Accept` prefers it.
@@ -306,5 +316,19 @@ async fn reclaim(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("{:#}", anyhow::Error::new(e)),
         ),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn failed_namespaces_are_health_problems() {
+        let failed = [(4026532009u32, "entering it: permission denied".to_string())];
+        let p: Vec<String> = super::netns_problems(&failed).collect();
+        assert_eq!(
+            p,
+            ["network namespace 4026532009 not scanned, its sockets are missing: entering it: permission denied"]
+        );
+        assert_eq!(super::netns_problems(&[]).count(), 0);
     }
 }

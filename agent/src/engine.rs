@@ -14,7 +14,7 @@ use crate::{
         exec::{Asker, Reclaimer, RoundResult},
         Decision,
     },
-    scan::Scanner,
+    scan::{NamespaceReport, Scanner},
     table::Socket,
 };
 
@@ -25,6 +25,8 @@ pub struct ScanOutput {
     pub programs: Vec<ProgramStats>,
     /// Whether the state tracker is attached (re-attached if its pins were removed).
     pub tracker: TrackerStatus,
+    /// The namespaces the scan covered, and those it could not.
+    pub namespaces: NamespaceReport,
 }
 
 /// The engine stopped (its thread ended): the daemon is shutting down or the thread panicked.
@@ -79,6 +81,7 @@ impl Core {
             counters: self.scanner.kernel.counters()?,
             programs: self.scanner.kernel.program_stats(),
             tracker: self.scanner.kernel.check_tracker(),
+            namespaces: self.scanner.namespace_report.clone(),
         })
     }
 

@@ -1,6 +1,7 @@
 //! Prometheus metrics (prometheus-client) on GET /metrics, in OpenMetrics or the Prometheus
 //! text format as the scraper asks ([`exposition`]).
 mod exposition;
+mod netns;
 
 use std::{
     collections::HashMap,
@@ -17,15 +18,9 @@ use prometheus_client::{
 };
 
 pub use exposition::Format;
+use netns::{NetnsKindLabels, SocketLabels};
 
 use crate::{detect::Finding, kernel::Counters, table::Socket};
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SocketLabels {
-    pub state: String,
-    pub comm: String,
-    pub service_port: String,
-}
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct KindLabels {
@@ -96,6 +91,11 @@ pub struct Metrics {
     /// The kernel's cumulative program statistics at the last observation, by program.
     last_programs: Mutex<HashMap<&'static str, crate::kernel::ProgramStats>>,
     scans: AtomicU64,
+    netns_scanned: Gauge,
+    netns_failed: Gauge,
+    netns_gone: Counter,
+    netns_scan_failures: Counter,
+    netns_findings: Family<NetnsKindLabels, Gauge>,
 }
 
 /// `connreap_build_info`'s commit: `CONNREAP_COMMIT` at build time, when the build sets it.
@@ -139,6 +139,11 @@ impl Metrics {
             program_recursion_misses: Family::default(),
             last_programs: Mutex::new(HashMap::new()),
             scans: AtomicU64::new(0),
+            netns_scanned: Gauge::default(),
+            netns_failed: Gauge::default(),
+            netns_gone: Counter::default(),
+            netns_scan_failures: Counter::default(),
+            netns_findings: Family::default(),
         };
         m.register(&mut registry);
         Metrics { registry, ..m }
@@ -157,7 +162,7 @@ impl Metrics {
         );
         registry.register(
             "sockets",
-            "TCP sockets by state, owner command and service port",
+            "TCP sockets by state, owner command, service port, network namespace and (for owners in one) container",
             m.sockets.clone(),
         );
         registry.register("findings", "Active findings by kind", m.findings.clone());
@@ -242,26 +247,29 @@ impl Metrics {
             "Runs of each BPF program the kernel skipped because it was already running on that CPU; for the state tracker, transitions whose socket then shows a lower-bound age",
             m.program_recursion_misses.clone(),
         );
+        m.register_netns(registry);
     }
 
     pub fn observe_table(&self, table: &[Socket]) {
-        // Count first (no label allocation per socket), then publish one gauge per group.
-        let mut counts: rustc_hash::FxHashMap<(crate::table::TcpState, &str, u16), i64> =
+        // Count first (no label allocation per socket), then publish one gauge per group: a
+        // group's sockets share state, command, port, namespace and container, so its first
+        // socket names them all.
+        type Group<'a> = (crate::table::TcpState, &'a str, u16, u32, Option<&'a str>);
+        let mut counts: rustc_hash::FxHashMap<Group<'_>, (&Socket, i64)> =
             rustc_hash::FxHashMap::default();
         for s in table {
-            *counts
-                .entry((s.state, s.comm(), s.service_port))
-                .or_default() += 1;
+            let key = (
+                s.state,
+                s.comm(),
+                s.service_port,
+                s.netns.inode,
+                s.container_id(),
+            );
+            counts.entry(key).or_insert((s, 0)).1 += 1;
         }
         self.sockets.clear();
-        for ((state, comm, port), n) in counts {
-            self.sockets
-                .get_or_create(&SocketLabels {
-                    state: state.to_string(),
-                    comm: comm.to_string(),
-                    service_port: port.to_string(),
-                })
-                .set(n);
+        for (s, n) in counts.into_values() {
+            self.sockets.get_or_create(&SocketLabels::of(s)).set(n);
         }
         self.scans.fetch_add(1, Ordering::Relaxed);
     }
@@ -275,6 +283,7 @@ impl Metrics {
                 })
                 .set(n as i64);
         }
+        self.observe_netns_findings(findings);
     }
 
     /// Kernel counters are cumulative (and survive agent restarts); export the increase.
@@ -418,7 +427,7 @@ mod tests {
         let text = m.render(Format::OpenMetrics);
         assert!(
             text.contains(
-                r#"connreap_sockets{state="CLOSE_WAIT",comm="java",service_port="80"} 1"#
+                r#"connreap_sockets{state="CLOSE_WAIT",comm="java",service_port="80",netns="host"} 1"#
             ),
             "{text}"
         );

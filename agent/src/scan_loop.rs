@@ -120,6 +120,7 @@ impl ScanLoop {
             counters,
             programs,
             tracker,
+            namespaces,
         } = match self.engine.scan().await {
             Ok(out) => out,
             Err(e) => {
@@ -134,7 +135,11 @@ impl ScanLoop {
             }
         };
         let quotas = Arc::new(self.quotas(&table));
-        self.feed_storm(&mut carry.storm, t0.duration_since(carry.window_start));
+        self.feed_storm(
+            &mut carry.storm,
+            t0.duration_since(carry.window_start),
+            &table,
+        );
         carry.window_start = t0;
         let findings = detect::run(
             &detect::Input {
@@ -150,6 +155,7 @@ impl ScanLoop {
         self.metrics.observe_findings(&findings);
         self.metrics.observe_kernel(counters);
         self.metrics.observe_programs(&programs);
+        self.metrics.observe_namespaces(&namespaces);
         let update = carry
             .alerts
             .update(findings, Instant::now(), chrono::Utc::now());
@@ -174,12 +180,14 @@ impl ScanLoop {
             p.scans += 1;
             p.webhook_queued = queued;
             p.tracker_problem = tracker.problem().map(str::to_string);
+            p.netns_failed = namespaces.failed;
         });
         true
     }
 
-    /// Active opens since the last scan into the storm tracker, and close its window.
-    fn feed_storm(&mut self, storm: &mut StormTracker, window: Duration) {
+    /// Active opens since the last scan into the storm tracker, and close its window (`table`
+    /// places the connecting processes in their namespaces).
+    fn feed_storm(&mut self, storm: &mut StormTracker, window: Duration, table: &[Socket]) {
         while let Ok(opens) = self.opens.try_recv() {
             for (k, n) in opens {
                 let key = ConnKey {
@@ -190,7 +198,7 @@ impl ScanLoop {
                 storm.record_connects(key, &k.thread, n);
             }
         }
-        storm.close_window(window, &self.cfg.detect);
+        storm.close_window(window, &self.cfg.detect, table);
     }
 
     /// Every quota source's reading: HTTP sources from their pollers, static ones counted from

@@ -49,8 +49,9 @@ pub fn body(n: &Notification, format: WebhookFormat, am: &AmContext) -> Option<V
 }
 
 /// A finding as an Alertmanager alert. Labels are its identity (they must not change while
-/// it fires: kind, fingerprint, host, command, unit, service port, quota, severity); what
-/// changes (pids, counts, the verdict's text) goes in annotations.
+/// it fires: kind, fingerprint, host, network namespace, container and pod, command, unit,
+/// service port, quota, severity); what changes (pids, counts, the verdict's text) and the
+/// full attribution (namespace inode, container id and runtime, pod UID) go in annotations.
 fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     let f = &alert.finding;
     let severity = am
@@ -76,6 +77,16 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     if let Some(q) = &f.quota {
         labels["quota"] = json!(q.name);
     }
+    labels["netns"] = json!(f.netns_label());
+    if let Some(c) = &f.container {
+        labels["container"] = json!(c.short_id());
+        if let Some(pod) = &c.pod_name {
+            labels["pod"] = json!(pod);
+        }
+        if let Some(ns) = &c.pod_namespace {
+            labels["pod_namespace"] = json!(ns);
+        }
+    }
     let resend = am.resend;
     // A firing alert is re-posted every `resend` and valid for four of those, as Prometheus
     // does: a restarted Alertmanager has it back within one resend, a dead agent's alert
@@ -91,17 +102,27 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
             rfc3339(now.checked_add_signed(valid).unwrap_or(now))
         }
     };
+    let mut annotations = json!({
+        "summary": f.summary,
+        "count": f.count.to_string(),
+        "oldest_age_secs": f.oldest_age_secs.to_string(),
+        "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
+        "pids": f.processes.iter().filter_map(|p| p.pid).map(|p| p.to_string()).collect::<Vec<_>>().join(","),
+        "verdict": f.verdict.map_or("", |v| v.as_str()),
+        "change": alert.change.as_deref().unwrap_or(""),
+        "netns": f.netns.to_string(),
+        "netns_name": f.netns_name.as_deref().unwrap_or(""),
+    });
+    if let Some(c) = &f.container {
+        annotations["container"] = json!(c.id);
+        annotations["container_runtime"] = json!(c.runtime.as_str());
+        annotations["pod_uid"] = json!(c.pod_uid.as_deref().unwrap_or(""));
+        annotations["pod_name"] = json!(c.pod_name.as_deref().unwrap_or(""));
+        annotations["pod_namespace"] = json!(c.pod_namespace.as_deref().unwrap_or(""));
+    }
     json!([{
         "labels": labels,
-        "annotations": {
-            "summary": f.summary,
-            "count": f.count.to_string(),
-            "oldest_age_secs": f.oldest_age_secs.to_string(),
-            "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
-            "pids": f.processes.iter().filter_map(|p| p.pid).map(|p| p.to_string()).collect::<Vec<_>>().join(","),
-            "verdict": f.verdict.map_or("", |v| v.as_str()),
-            "change": alert.change.as_deref().unwrap_or(""),
-        },
+        "annotations": annotations,
         "startsAt": rfc3339(alert.started_at),
         "endsAt": ends_at,
         "generatorURL": format!("{}/v1/findings?fingerprint={}", am.api_base, urlencode(&f.fingerprint)),
@@ -365,5 +386,79 @@ mod tests {
         let j = body(&a, WebhookFormat::Json, &am).unwrap();
         assert_eq!(j["status"], "resolved");
         assert_eq!(j["host"], "relay-1");
+        // connreap's own namespace: labelled "host", no container labels.
+        assert_eq!(first["labels"]["netns"], "host");
+        for key in ["container", "pod", "pod_namespace"] {
+            assert!(first["labels"].get(key).is_none(), "{key}: {first}");
+        }
+    }
+
+    /// A finding in a pod: namespace, short container id, pod and its namespace as labels;
+    /// the full attribution in annotations and in the JSON body.
+    #[test]
+    fn alerts_carry_namespace_and_container() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns},
+        };
+        let c = container("abcdef", Runtime::Containerd, Some(("shop", "web-1")));
+        let f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, "java:8080")
+            .scoped(&netns(4026532001, Some("cni-1")), Some(&c));
+        let a = Notification::Fired(Alert {
+            finding: f,
+            status: Status::Firing,
+            host: "node-1".into(),
+            started_at: "2026-12-02T10:00:00Z".parse().unwrap(),
+            ended_at: None,
+            duration_secs: None,
+            change: None,
+        });
+        let am = AmContext::default();
+        let b = body(&a, WebhookFormat::Alertmanager, &am).unwrap();
+        let (labels, ann) = (&b[0]["labels"], &b[0]["annotations"]);
+        assert_eq!(labels["netns"], "cni-1");
+        assert_eq!(labels["container"], "abcdef000000");
+        assert_eq!(labels["pod"], "web-1");
+        assert_eq!(labels["pod_namespace"], "shop");
+        assert_eq!(
+            labels["fingerprint"],
+            "close_wait_buildup:java:8080@netns:cni-1"
+        );
+        assert_eq!(ann["netns"], "4026532001");
+        assert_eq!(ann["netns_name"], "cni-1");
+        assert_eq!(ann["container"], c.id.as_str());
+        assert_eq!(ann["container_runtime"], "containerd");
+        assert_eq!(ann["pod_uid"], c.pod_uid.as_deref().unwrap());
+        let j = body(&a, WebhookFormat::Json, &am).unwrap();
+        assert_eq!(j["netns"], 4026532001u32);
+        assert_eq!(j["netns_name"], "cni-1");
+        assert_eq!(j["container"], c.id.as_str());
+        assert_eq!(j["container_runtime"], "containerd");
+        assert_eq!(j["pod_name"], "web-1");
+        assert_eq!(j["pod_namespace"], "shop");
+        assert_eq!(j["pod_uid"], c.pod_uid.as_deref().unwrap());
+        // A container without a known pod: no pod labels.
+        let bare = container("0a0a", Runtime::Docker, None);
+        let f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, "java:8080")
+            .scoped(&crate::table::Netns::unknown(), Some(&bare));
+        let n = Notification::Fired(Alert {
+            finding: f,
+            status: Status::Firing,
+            host: "node-1".into(),
+            started_at: "2026-12-02T10:00:00Z".parse().unwrap(),
+            ended_at: None,
+            duration_secs: None,
+            change: None,
+        });
+        let b = body(&n, WebhookFormat::Alertmanager, &am).unwrap();
+        let labels = &b[0]["labels"];
+        assert_eq!(
+            (labels["netns"].as_str(), labels["container"].as_str()),
+            (Some("host"), Some("0a0a00000000"))
+        );
+        assert!(
+            labels.get("pod").is_none() && labels.get("pod_namespace").is_none(),
+            "{labels}"
+        );
     }
 }

@@ -42,27 +42,32 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
     // Connections with both ends on this host are stuck_established_pairs' (which names both
     // owners): left out here, whether or not the other end is idle too. One pass over the
     // table looks for the candidates' other ends (only reached when there are enough
-    // candidates to fire).
-    let other_ends: FxHashSet<(SocketAddr, SocketAddr)> = candidates
+    // candidates to fire). The other end is looked for in the socket's own namespace only, as
+    // `local_pairs` pairs them; groups are per namespace too.
+    type Tuple = (u32, SocketAddr, SocketAddr);
+    let other_ends: FxHashSet<Tuple> = candidates
         .iter()
-        .map(|s| (canon(s.peer), canon(s.local)))
+        .map(|s| (s.netns.inode, canon(s.peer), canon(s.local)))
         .collect();
-    let local: FxHashSet<(SocketAddr, SocketAddr)> = table
+    let local: FxHashSet<Tuple> = table
         .iter()
         .filter(|s| s.state != TcpState::Listen)
-        .map(|s| (canon(s.local), canon(s.peer)))
+        .map(|s| (s.netns.inode, canon(s.local), canon(s.peer)))
         .filter(|t| other_ends.contains(t))
         .collect();
-    let mut groups: BTreeMap<(Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
+    let mut groups: BTreeMap<(u32, Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
     for s in candidates {
-        if !local.contains(&(canon(s.peer), canon(s.local))) {
-            groups.entry((s.pid(), s.service_port)).or_default().push(s);
+        if !local.contains(&(s.netns.inode, canon(s.peer), canon(s.local))) {
+            groups
+                .entry((s.netns.inode, s.pid(), s.service_port))
+                .or_default()
+                .push(s);
         }
     }
     groups
         .into_iter()
         .filter(|(_, socks)| socks.len() >= cfg.idle_established_threshold)
-        .map(|((_, port), socks)| finding(port, &socks))
+        .map(|((_, _, port), socks)| finding(port, &socks))
         .collect()
 }
 
@@ -135,7 +140,8 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
             human(oldest),
             peer_text.join(", "),
         ),
-    );
+    )
+    .scoped(&socks[0].netns, socks[0].container());
     f.service_port = Some(port);
     f.count = n;
     f.oldest_age_secs = round_secs(oldest);
@@ -246,6 +252,44 @@ mod tests {
         client.skaddr = 1;
         client.direction = Direction::Outbound;
         t.push(client);
+        assert!(detect(&t, &cfg).is_empty());
+    }
+
+    /// The other end of a connection is looked for in the socket's namespace only: a socket
+    /// with the same addresses in another namespace is another connection.
+    #[test]
+    fn other_ends_and_groups_are_per_namespace() {
+        use crate::detect::scope_testutil::{netns, place};
+        let cfg = DetectConfig::default();
+        let (a, b) = (netns(31, Some("a")), netns(32, Some("b")));
+        let mut t: Vec<Socket> = ghosts(64, 8, 700)
+            .into_iter()
+            .map(|s| place(s, &a, None))
+            .collect();
+        let mut client = sock(
+            9,
+            "client",
+            &t[0].peer.to_string(),
+            &t[0].local.to_string(),
+            TcpState::Established,
+        );
+        client.skaddr = 1;
+        client.direction = Direction::Outbound;
+        t.push(place(client, &b, None));
+        let f = detect(&t, &cfg);
+        assert_eq!(f.len(), 1, "{f:?}");
+        assert_eq!(f[0].count, 64);
+        assert_eq!(f[0].netns, 31);
+        assert_eq!(
+            f[0].fingerprint,
+            "idle_established_buildup:server:8080@netns:a"
+        );
+        // 32 + 32 of one process in two namespaces: under the threshold in each.
+        let t: Vec<Socket> = ghosts(64, 8, 700)
+            .into_iter()
+            .enumerate()
+            .map(|(i, s)| place(s, if i % 2 == 0 { &a } else { &b }, None))
+            .collect();
         assert!(detect(&t, &cfg).is_empty());
     }
 

@@ -4,6 +4,7 @@ mod close_wait;
 mod idle;
 mod pairs;
 mod quota;
+mod scope;
 mod storm;
 mod upstream;
 
@@ -13,14 +14,16 @@ use serde::Serialize;
 
 pub use idle::PeerCount;
 pub use pairs::local_pairs;
+pub use scope::identity;
 pub use storm::{ConnKey, StormTracker};
 pub use upstream::UpstreamOwner;
 
 use crate::{
     config::{DetectConfig, QuotaConfig},
+    containers::Container,
     present::round_secs,
     quota::QuotaStatus,
-    table::{Socket, TcpState},
+    table::{Netns, Socket, TcpState},
 };
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
@@ -72,6 +75,9 @@ pub struct ProcessCount {
     pub comm: String,
     pub unit: Option<String>,
     pub count: usize,
+    /// The full id of the container it runs in, if it runs in one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -158,6 +164,18 @@ pub struct Finding {
     /// upstream, when no port_map names the port carrying its streams.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub upstream: Vec<UpstreamOwner>,
+    /// The network namespace of its sockets: the inode (0: not known, or no sockets).
+    pub netns: u32,
+    /// The namespace's name under `/run/netns` or `/run/docker/netns`, if it has one.
+    pub netns_name: Option<String>,
+    /// Whether that is connreap's own namespace (labelled "host").
+    #[serde(skip)]
+    pub netns_own: bool,
+    /// The container its (main) owner runs in: the holder of the sockets, for a pair the
+    /// server's (each process's own is in `processes`). Serialized flat: `container`,
+    /// `container_runtime`, `pod_uid`, `pod_name`, `pod_namespace`.
+    #[serde(flatten, serialize_with = "scope::ser_container")]
+    pub container: Option<Container>,
 }
 
 impl Finding {
@@ -180,7 +198,35 @@ impl Finding {
             keepalive: None,
             peers: Vec::new(),
             upstream: Vec::new(),
+            netns: 0,
+            netns_name: None,
+            netns_own: true,
+            container: None,
         }
+    }
+
+    /// Place the finding in namespace `netns` (its sockets') and container `container` (its
+    /// owner's): the fields, the fingerprint (namespaces other than connreap's own are part of
+    /// it) and the summary (which names both). Once per finding, right after [`Finding::new`].
+    pub fn scoped(mut self, netns: &Netns, container: Option<&Container>) -> Self {
+        self.fingerprint.push_str(&scope::ns_part(netns));
+        self.summary
+            .push_str(&scope::summary_part(netns, container));
+        self.netns = netns.inode;
+        self.netns_name = netns.name.as_deref().map(String::from);
+        self.netns_own = netns.own;
+        self.container = container.cloned();
+        self
+    }
+
+    /// The namespace as labels name it: its name, "host" for connreap's own, else its inode.
+    pub fn netns_label(&self) -> String {
+        Netns {
+            inode: self.netns,
+            name: self.netns_name.as_deref().map(Box::from),
+            own: self.netns_own,
+        }
+        .label()
     }
 }
 
@@ -208,6 +254,7 @@ pub fn processes<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Process
                 comm: s.comm().to_string(),
                 unit: s.unit(),
                 count: 0,
+                container: s.container_id().map(String::from),
             })
             .count += 1;
     }
@@ -223,13 +270,10 @@ pub fn oldest_briefs<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Soc
     v.into_iter().take(MAX_SOCKETS).map(brief).collect()
 }
 
-/// A socket owner as a finding's identity names it: its command, and its systemd unit where it
-/// has one (`java@gateway.service`). Never its pid: a restarted service keeps its findings.
+/// A socket owner as a finding's identity names it (see [`identity`]): its command, and its
+/// container or systemd unit. Never its pid: a restarted service keeps its findings.
 pub fn owner_identity(s: &Socket) -> String {
-    match s.unit() {
-        Some(unit) => format!("{}@{unit}", s.comm()),
-        None => s.comm().to_string(),
-    }
+    identity(s.comm(), s.unit().as_deref(), s.container())
 }
 
 /// "node pid 12" / "node pids 12, 13"
@@ -369,7 +413,53 @@ mod merge_tests {
         assert_eq!(pids, vec![Some(7), Some(8)]);
         assert!(f[0].summary.contains("+1 more process"), "{}", f[0].summary);
     }
+
+    /// Replicas of one service in two pods (two namespaces) stay two findings, and so do two
+    /// containers of the same command in connreap's own namespace (host network).
+    #[test]
+    fn same_command_in_two_pods_or_containers_never_merges() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns, place},
+        };
+        let cfg = DetectConfig::default();
+        let cases = [
+            (netns(11, Some("a")), netns(12, Some("b"))),
+            (Netns::unknown(), Netns::unknown()),
+        ];
+        for (na, nb) in cases {
+            let mut t: Vec<Socket> = Vec::new();
+            for (pid, ns, id) in [(7u32, &na, "aaaa"), (8, &nb, "bbbb")] {
+                let c = container(id, Runtime::Docker, None);
+                for i in 0..20u16 {
+                    let s = testutil::sock(
+                        pid,
+                        "java",
+                        &format!("10.0.0.5:{}", 40000 + i),
+                        "10.0.16.36:80",
+                        TcpState::CloseWait,
+                    );
+                    t.push(place(s, ns, Some(&c)));
+                }
+            }
+            let storm = StormTracker::default();
+            let input = Input {
+                table: &t,
+                cfg: &cfg,
+                quota_cfgs: &[],
+                quotas: &[],
+                storm: &storm,
+            };
+            let f = run(&input, &mut Memory::default());
+            assert_eq!(f.len(), 2, "{f:?}");
+            assert_ne!(f[0].fingerprint, f[1].fingerprint);
+            assert!(f.iter().all(|f| f.count == 20 && f.processes.len() == 1));
+        }
+    }
 }
+
+#[cfg(test)]
+pub(crate) use scope::testutil as scope_testutil;
 
 #[cfg(test)]
 pub(crate) fn testutil_finding(kind: Kind, key: &str) -> Finding {

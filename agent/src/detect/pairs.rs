@@ -23,24 +23,26 @@ impl Pair<'_> {
     }
 }
 
-/// Pairs of sockets among `socks` that are the two ends of one connection.
+/// Pairs of sockets among `socks` that are the two ends of one connection: both in one network
+/// namespace (two namespaces can each hold `127.0.0.1:X <-> 127.0.0.1:Y`, which are different
+/// connections).
 pub fn local_pairs<'a, I>(socks: I) -> Vec<Pair<'a>>
 where
     I: IntoIterator<Item = &'a Socket>,
     I::IntoIter: Clone,
 {
     let socks = socks.into_iter();
-    let by_tuple: FxHashMap<(SocketAddr, SocketAddr), &Socket> = socks
+    let by_tuple: FxHashMap<(u32, SocketAddr, SocketAddr), &Socket> = socks
         .clone()
         .filter(|s| s.state != TcpState::Listen)
-        .map(|s| ((canon(s.local), canon(s.peer)), s))
+        .map(|s| ((s.netns.inode, canon(s.local), canon(s.peer)), s))
         .collect();
     let mut out = Vec::new();
     for s in socks {
         if s.state == TcpState::Listen || s.direction == Direction::Inbound {
             continue;
         }
-        if let Some(other) = by_tuple.get(&(canon(s.peer), canon(s.local))) {
+        if let Some(other) = by_tuple.get(&(s.netns.inode, canon(s.peer), canon(s.local))) {
             if other.direction == Direction::Inbound || s.local.port() > other.local.port() {
                 out.push(Pair {
                     client: s,
@@ -61,17 +63,21 @@ fn stuck(s: &Socket, cfg: &DetectConfig) -> bool {
 pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
     // Both ends of a stuck pair are stuck: pair only those sockets (not the whole table).
     let candidates = table.iter().filter(|s| stuck(s, cfg));
-    let mut groups: BTreeMap<(Option<u32>, Option<u32>, u16), Vec<Pair<'_>>> = BTreeMap::new();
+    type Key = (u32, Option<u32>, Option<u32>, u16);
+    let mut groups: BTreeMap<Key, Vec<Pair<'_>>> = BTreeMap::new();
     for p in local_pairs(candidates) {
         if stuck(p.client, cfg) && stuck(p.server, cfg) {
-            groups
-                .entry((p.client.pid(), p.server.pid(), p.service_port()))
-                .or_default()
-                .push(p);
+            let key = (
+                p.client.netns.inode,
+                p.client.pid(),
+                p.server.pid(),
+                p.service_port(),
+            );
+            groups.entry(key).or_default().push(p);
         }
     }
     let mut out = Vec::new();
-    for ((_, _, port), pairs) in groups {
+    for ((_, _, _, port), pairs) in groups {
         if pairs.len() < cfg.stuck_pair_threshold {
             continue;
         }
@@ -82,6 +88,7 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
             comm: x.comm().to_string(),
             unit: x.unit(),
             count: pairs.len(),
+            container: x.container_id().map(String::from),
         };
         let procs = vec![owner(c, cpid), owner(s, spid)];
         let oldest = pairs
@@ -107,7 +114,8 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
                 human(min_idle),
                 human(oldest),
             ),
-        );
+        )
+        .scoped(&c.netns, s.container());
         f.service_port = Some(port);
         f.count = pairs.len();
         f.oldest_age_secs = round_secs(oldest);
@@ -157,6 +165,61 @@ mod tests {
             (p[0].client.comm(), p[0].server.comm(), p[0].service_port()),
             ("java", "srv", 8080)
         );
+    }
+
+    /// Two namespaces each hold `127.0.0.1:X <-> 127.0.0.1:25001`: each pairs with its own
+    /// other end, never across; a client whose server is in another namespace pairs with
+    /// nothing.
+    #[test]
+    fn pairs_never_cross_namespaces() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns, place},
+        };
+        let cfg = DetectConfig::default();
+        let (a, b) = (netns(21, Some("a")), netns(22, Some("b")));
+        let srv = container("5e5e", Runtime::Podman, None);
+        let mut t = Vec::new();
+        for ns in [&a, &b] {
+            for i in 0..16 {
+                let [c, s] = pair(i, 400);
+                t.push(place(c, ns, None));
+                t.push(place(s, ns, Some(&srv)));
+            }
+        }
+        let p = local_pairs(&t);
+        assert_eq!(p.len(), 32);
+        assert!(p
+            .iter()
+            .all(|p| p.client.netns.inode == p.server.netns.inode));
+        let mut f = detect(&t, &cfg);
+        f.sort_by_key(|f| f.netns);
+        assert_eq!(f.len(), 2, "{f:?}");
+        assert_eq!(
+            f[0].fingerprint,
+            "stuck_established_pairs:node->relay@podman:5e5e00000000:25001@netns:a"
+        );
+        assert!(
+            f[1].fingerprint.ends_with("@netns:b"),
+            "{}",
+            f[1].fingerprint
+        );
+        assert_eq!((f[0].count, f[1].count), (16, 16));
+        assert_eq!(
+            f[0].container.as_ref().map(|c| c.short_id()),
+            Some("5e5e00000000")
+        );
+        assert_eq!(f[0].processes[0].container, None);
+        assert!(f[0].processes[1].container.is_some());
+        // Clients in namespace a, servers in b: no connection between them is local.
+        let split: Vec<Socket> = (0..16)
+            .flat_map(|i| {
+                let [c, s] = pair(i, 400);
+                [place(c, &a, None), place(s, &b, None)]
+            })
+            .collect();
+        assert!(local_pairs(&split).is_empty());
+        assert!(detect(&split, &cfg).is_empty());
     }
 
     #[test]

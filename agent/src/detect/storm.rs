@@ -2,13 +2,24 @@
 //! from the kernel's transition events, window by window (one window per scan). The process is
 //! named as `snapshot` names it (its thread-group leader's comm); the connecting threads'
 //! names, where they differ, are a detail of the summary.
+//!
+//! Transition events carry no network namespace; pids are unique host-wide, so a process's
+//! namespace and container are those of its sockets in the scan's table (its sockets to the
+//! storm's port, else any of its sockets), looked up once per process.
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
+    sync::Arc,
     time::Duration,
 };
 
-use super::{Finding, Kind, ProcessCount};
-use crate::config::DetectConfig;
+use rustc_hash::FxHashMap;
+
+use super::{identity, Finding, Kind, ProcessCount};
+use crate::{
+    config::DetectConfig,
+    containers::Container,
+    table::{Netns, Socket},
+};
 
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct ConnKey {
@@ -29,6 +40,18 @@ pub struct StormTracker {
     firing: BTreeSet<ConnKey>,
     /// Names of the threads that made the connections, where not the process's own.
     threads: BTreeMap<ConnKey, BTreeSet<String>>,
+    /// Where each tracked process lives, from its sockets (see the module's doc).
+    places: BTreeMap<u32, Place>,
+    /// connreap's own namespace as the last table named it: the place of a process none of
+    /// whose sockets was ever seen.
+    own: Option<Arc<Netns>>,
+}
+
+/// A process's network namespace and container.
+#[derive(Debug, Clone)]
+struct Place {
+    netns: Arc<Netns>,
+    container: Option<Arc<Container>>,
 }
 
 impl StormTracker {
@@ -50,8 +73,10 @@ impl StormTracker {
         *self.current.entry(key).or_default() += n;
     }
 
-    /// End the current window of length `window`; update rates and firing state.
-    pub fn close_window(&mut self, window: Duration, cfg: &DetectConfig) {
+    /// End the current window of length `window`; update rates and firing state, and place
+    /// processes not placed yet from `table` (the scan at the window's end).
+    pub fn close_window(&mut self, window: Duration, cfg: &DetectConfig, table: &[Socket]) {
+        self.place(table);
         let secs = window.as_secs_f64().max(0.001);
         let keep = cfg.storm_growth_windows + 1;
         let mut keys: BTreeSet<ConnKey> = self.history.keys().cloned().collect();
@@ -75,6 +100,54 @@ impl StormTracker {
             }
         }
         self.current.clear();
+        // Forget processes no longer tracked (their pids may be reused).
+        let tracked: BTreeSet<u32> = self.history.keys().map(|k| k.pid).collect();
+        self.places.retain(|pid, _| tracked.contains(pid));
+    }
+
+    /// Place the tracked processes not placed yet: one pass over `table`, only when there are
+    /// some.
+    fn place(&mut self, table: &[Socket]) {
+        if let Some(s) = table.iter().find(|s| s.netns.own) {
+            self.own = Some(s.netns.clone());
+        }
+        let mut wanted: FxHashMap<u32, Vec<u16>> = FxHashMap::default();
+        for k in self.current.keys().chain(self.history.keys()) {
+            if !self.places.contains_key(&k.pid) {
+                wanted.entry(k.pid).or_default().push(k.port);
+            }
+        }
+        if wanted.is_empty() {
+            return;
+        }
+        // Per pid: a socket to one of its storm ports if any (true), else its first socket.
+        let mut found: FxHashMap<u32, (bool, &Socket)> = FxHashMap::default();
+        for s in table {
+            let Some((pid, ports)) = s.pid().and_then(|p| Some((p, wanted.get(&p)?))) else {
+                continue;
+            };
+            let to_port = ports.contains(&s.peer.port());
+            let slot = found.entry(pid).or_insert((to_port, s));
+            if to_port && !slot.0 {
+                *slot = (true, s);
+            }
+        }
+        for (pid, (_, s)) in found {
+            let container = s.owner.as_ref().and_then(|o| o.container.clone());
+            let place = Place {
+                netns: s.netns.clone(),
+                container,
+            };
+            self.places.insert(pid, place);
+        }
+    }
+
+    /// Where `pid` lives: where its sockets were, else connreap's own namespace.
+    fn place_of(&self, pid: u32) -> Place {
+        self.places.get(&pid).cloned().unwrap_or_else(|| Place {
+            netns: self.own.clone().unwrap_or_else(Netns::unknown),
+            container: None,
+        })
     }
 
     pub fn findings(&self, cfg: &DetectConfig) -> Vec<Finding> {
@@ -92,18 +165,27 @@ impl StormTracker {
                     ),
                     _ => String::new(),
                 };
+                let place = self.place_of(key.pid);
+                let container = place.container.as_deref();
                 let mut f = Finding::new(
                     Kind::ReconnectStorm,
-                    &format!("{}:{}", key.comm, key.port),
+                    &format!("{}:{}", identity(&key.comm, None, container), key.port),
                     format!(
                         "{} pid {} opens {rate:.0} new connections/s to port {} (threshold {:.0}/s; last windows {}/s){threads}",
                         key.comm, key.pid, key.port, cfg.storm_rate, shown.join(" → ")
                     ),
-                );
+                )
+                .scoped(&place.netns, container);
                 f.service_port = Some(key.port);
                 f.count = rate.round() as usize;
                 f.rate_per_sec = Some((rate * 10.0).round() / 10.0);
-                f.processes = vec![ProcessCount { pid: Some(key.pid), comm: key.comm.clone(), unit: None, count: rate.round() as usize }];
+                f.processes = vec![ProcessCount {
+                    pid: Some(key.pid),
+                    comm: key.comm.clone(),
+                    unit: None,
+                    count: rate.round() as usize,
+                    container: container.map(|c| c.id.clone()),
+                }];
                 f
             })
             .collect()
@@ -126,7 +208,7 @@ mod tests {
         for _ in 0..n {
             t.record_connect(key());
         }
-        t.close_window(Duration::from_secs(1), cfg);
+        t.close_window(Duration::from_secs(1), cfg, &[]);
     }
 
     #[test]
@@ -165,7 +247,7 @@ mod tests {
         for n in [60, 80, 120] {
             t.record_connects(key(), "storm-worker", n);
             t.record_connects(key(), "client", 1);
-            t.close_window(Duration::from_secs(1), &cfg);
+            t.close_window(Duration::from_secs(1), &cfg, &[]);
         }
         let f = t.findings(&cfg);
         assert_eq!(f.len(), 1);
@@ -181,6 +263,80 @@ mod tests {
             "{}",
             f[0].summary
         );
+    }
+
+    /// Events carry no namespace: the process is placed by its sockets in the table (its
+    /// sockets to the storm's port first), once; without any, in connreap's own namespace.
+    #[test]
+    fn processes_are_placed_by_their_sockets() {
+        use crate::{
+            containers::Runtime,
+            detect::{
+                scope_testutil::{container, netns, place},
+                testutil::sock,
+            },
+            table::TcpState,
+        };
+        let cfg = DetectConfig::default();
+        let pod = netns(41, Some("cni-x"));
+        let other = netns(42, Some("elsewhere"));
+        let c = container("c0c0", Runtime::Crio, Some(("shop", "client-1")));
+        let to_port = place(
+            sock(
+                5,
+                "client",
+                "10.0.0.2:50000",
+                "10.0.0.9:443",
+                TcpState::SynSent,
+            ),
+            &pod,
+            Some(&c),
+        );
+        let unrelated = place(
+            sock(
+                5,
+                "client",
+                "10.1.0.2:50001",
+                "10.1.0.9:80",
+                TcpState::Established,
+            ),
+            &other,
+            Some(&c),
+        );
+        let table = [unrelated, to_port];
+        let mut t = StormTracker::default();
+        for n in [60, 80, 120] {
+            for _ in 0..n {
+                t.record_connect(key());
+            }
+            // The table is seen at the first window only: the place sticks.
+            let seen: &[Socket] = if n == 60 { &table } else { &[] };
+            t.close_window(Duration::from_secs(1), &cfg, seen);
+        }
+        let f = t.findings(&cfg);
+        assert_eq!(f.len(), 1);
+        assert_eq!(
+            f[0].fingerprint,
+            "reconnect_storm:client@pod:shop/client-1:443@netns:cni-x"
+        );
+        assert_eq!(
+            (f[0].netns, f[0].netns_name.as_deref()),
+            (41, Some("cni-x"))
+        );
+        assert_eq!(f[0].processes[0].container.as_deref(), Some(c.id.as_str()));
+        assert!(
+            f[0].summary.contains("; in netns cni-x, pod shop/client-1"),
+            "{}",
+            f[0].summary
+        );
+        // Never seen in the table: connreap's own namespace, the fingerprint as always.
+        let mut t = StormTracker::default();
+        for n in [60, 80, 120] {
+            window(&mut t, n, &cfg);
+        }
+        let f = t.findings(&cfg);
+        assert_eq!(f[0].fingerprint, "reconnect_storm:client:443");
+        assert_eq!(f[0].netns_label(), "host");
     }
 
     #[test]

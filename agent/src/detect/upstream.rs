@@ -89,16 +89,25 @@ pub struct UpstreamOwner {
     /// Of those, how many are idle at both ends (≥ quota_idle_min) or in CLOSE_WAIT.
     pub idle: usize,
     pub matched_by: MatchedBy,
+    /// The full id of the container it runs in, if it runs in one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
 }
 
 /// The hops feeding `dials` (the holder processes' connections to the quota's port):
-/// `other_end` maps a socket to the other end of its local connection.
+/// `other_end` maps a socket to the other end of its local connection (in its namespace, see
+/// `local_pairs`).
 pub fn follow<'a>(
     dials: &[&'a Socket],
     table: &'a [Socket],
     other_end: &FxHashMap<u64, &'a Socket>,
 ) -> Upstream<'a> {
-    let holders: BTreeSet<u32> = dials.iter().filter_map(|s| s.pid()).collect();
+    // Holders by namespace and pid: a process may hold sockets in several namespaces, and
+    // only the hop in the dials' namespace feeds them.
+    let holders: BTreeSet<(u32, u32)> = dials
+        .iter()
+        .filter_map(|s| Some((s.netns.inode, s.pid()?)))
+        .collect();
     let dialled: BTreeSet<u64> = dials.iter().map(|s| s.skaddr).collect();
     // The holders' accepted connections whose other end another local process owns.
     let fed = table
@@ -106,7 +115,8 @@ pub fn follow<'a>(
         .filter(|s| {
             s.direction == Direction::Inbound
                 && matches!(s.state, TcpState::Established | TcpState::CloseWait)
-                && s.pid().is_some_and(|p| holders.contains(&p))
+                && s.pid()
+                    .is_some_and(|p| holders.contains(&(s.netns.inode, p)))
                 && !dialled.contains(&s.skaddr)
         })
         .filter_map(|s| {
@@ -205,6 +215,7 @@ pub fn owners(up: &Upstream<'_>, idle: impl Fn(&Socket) -> bool) -> Vec<Upstream
             count: 0,
             idle: 0,
             matched_by,
+            container: h.origin.container_id().map(String::from),
         });
         o.count += 1;
         if idle(h.accepted) && idle(h.origin) {
@@ -396,6 +407,7 @@ mod tests {
                     count: 64,
                     idle: 64,
                     matched_by: MatchedBy::Timing,
+                    container: None,
                 }],
                 "gap {gap_ms} ms"
             );
@@ -419,6 +431,30 @@ mod tests {
                 "the proxy's sockets are listed"
             );
         }
+    }
+
+    /// The chain inside one namespace is followed as on the host; a proxy whose end of the hop
+    /// is in another namespace (same addresses, another connection) feeds nothing.
+    #[test]
+    fn the_hop_is_followed_inside_one_namespace_only() {
+        use crate::detect::scope_testutil::{netns, place};
+        let (a, b) = (netns(51, Some("a")), netns(52, Some("b")));
+        let inside: Vec<Socket> = chain(64, 1, 360, 360)
+            .into_iter()
+            .map(|s| place(s, &a, None))
+            .collect();
+        let f = run(&inside, false);
+        assert_eq!(f.upstream.len(), 1, "{}", f.summary);
+        assert_eq!((f.upstream[0].pid, f.upstream[0].count), (Some(10), 64));
+        let split: Vec<Socket> = chain(64, 1, 360, 360)
+            .into_iter()
+            .map(|s| {
+                let ns = if s.comm() == "node" { &b } else { &a };
+                place(s, ns, None)
+            })
+            .collect();
+        let f = run(&split, false);
+        assert!(f.upstream.is_empty(), "{:?}", f.upstream);
     }
 
     #[test]
