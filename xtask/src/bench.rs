@@ -10,6 +10,7 @@ pub(crate) mod agent;
 mod footprint;
 mod load;
 mod measure;
+mod netns;
 mod parts;
 mod probe;
 mod proc;
@@ -48,7 +49,7 @@ pub struct BenchArgs {
     /// it (builds an extra agent per variant first: a few minutes).
     #[arg(long)]
     probe_parts: bool,
-    /// Only these measures (1-6, comma-separated); writes target/bench-partial.md.
+    /// Only these measures (1-7, comma-separated); writes target/bench-partial.md.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
     /// How long to wait for e2e tests and compiles to finish before measuring anyway (noted in
@@ -108,7 +109,7 @@ type Measure = fn(&mut Ctx) -> Result<Vec<Row>>;
 
 /// In run order. Measure 1 turns bpf_stats on for its window only (2 needs it off); later
 /// measures reuse its per-run costs in their diagnosis.
-const MEASURES: [(&str, &[u8], &str, Measure); 4] = [
+const MEASURES: [(&str, &[u8], &str, Measure); 5] = [
     ("1", &[1], "probe cost", probe::probe_cost),
     ("2", &[2], "churn overhead", measure::churn_overhead),
     ("5", &[5], "detection latency", measure::detection),
@@ -118,6 +119,7 @@ const MEASURES: [(&str, &[u8], &str, Measure); 4] = [
         "snapshot at scale, memory, CPU",
         scale::scale,
     ),
+    ("7", &[7], "many namespaces", netns::namespaces),
 ];
 
 const METHODS: &str = "\
@@ -161,11 +163,22 @@ client ends in CLOSE_WAIT; they cross the threshold at T0 + 2 s; latency = arriv
 and 95 % of an interval after a scan (5 %: the scan just missed it, the worst case).
 6. **Daemon CPU**: (utime + stime) of the daemon from /proc/PID/stat over 60 s with the 100k idle \
 sockets and scan_interval 5s, as % of one core; then `perf record -p` over two scans.
+7. **Many namespaces**: 100 namespaces (`ip netns add`, `lo` up), each with one holder process \
+keeping 500 loopback connections (1000 sockets) to its own listener: 100k sockets in total. \
+Alternated rounds (3; the snapshot first in odd rounds, last in even ones) time \
+`connreap snapshot --json` in the host namespace (every namespace: the bench's, the host's and \
+any other) against the loop a user would script, `nsenter --net=/run/netns/NAME ss -tanp` for \
+each of the bench's namespaces in turn in one `sh` (wall time of the whole loop, CPU of the shell \
+and its children from wait4), and the same loop with `ss -tan`; medians. One extra snapshot is \
+parsed to check that it sees every held socket in its namespace, with its owner. Then \
+`connreap run` (scan_interval 2s) in a namespace of its own: after 2 scans, (utime + stime) \
+from /proc/PID/stat over 10 scans ÷ the scans /metrics counted, and VmRSS after each of them \
+(the largest is judged).
 
 Profiles (perf) and the gdb step only explain figures; `--no-profile` skips them. The agent binary \
 is copied to target/bench-tmp/ at the start and that copy is used throughout. `--smoke` runs the \
-same code with ~1k sockets, 1-2 s windows and a 1-2 s scan interval: it checks the bench, its \
-figures are not representative.";
+same code with ~1k sockets (measure 7: 5 namespaces × 100 sockets), 1-2 s windows and a 1-2 s \
+scan interval: it checks the bench, its figures are not representative.";
 
 fn machine(built: &str) -> String {
     let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();

@@ -15,7 +15,7 @@ use super::{
     Ctx,
 };
 
-const RSS_TARGET_MB: f64 = 40.0;
+pub(super) const RSS_TARGET_MB: f64 = 40.0;
 
 fn mb(kb: u64) -> f64 {
     kb as f64 / 1024.0

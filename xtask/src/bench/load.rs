@@ -54,7 +54,7 @@ pub fn worker(args: WorkerArgs) -> Result<()> {
 }
 
 /// Raise the soft open-files limit to the hard one (the hard one cannot be raised here).
-fn raise_nofile() -> Result<u64> {
+pub(super) fn raise_nofile() -> Result<u64> {
     // SAFETY: getrlimit/setrlimit with a valid struct.
     unsafe {
         let mut lim: libc::rlimit = std::mem::zeroed();

@@ -51,18 +51,18 @@ fn verify_snapshot(ns: &NsHandle) -> Result<(usize, usize, usize)> {
 /// Where one snapshot's scan spends its time, from its `connreap::scan` debug line (medians of
 /// `runs`): the iterators' time in the kernel, their total (plus decoding), and the merge.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]
-struct ScanSplit {
-    socket_kernel: Duration,
-    socket_total: Duration,
-    owner_kernel: Duration,
-    owner_total: Duration,
+pub(super) struct ScanSplit {
+    pub socket_kernel: Duration,
+    pub socket_total: Duration,
+    pub owner_kernel: Duration,
+    pub owner_total: Duration,
     /// Both dumps' wall time (the snapshot runs them at the same time).
-    dumps: Duration,
-    merge: Duration,
+    pub dumps: Duration,
+    pub merge: Duration,
     /// From the `connreap::snapshot` line: opening the pinned programs and maps, and sorting,
     /// summarising and writing the JSON after the scan.
-    load: Duration,
-    output: Duration,
+    pub load: Duration,
+    pub output: Duration,
 }
 
 impl ScanSplit {
@@ -93,7 +93,8 @@ impl ScanSplit {
         })
     }
 
-    fn measure(ns: &NsHandle, runs: usize) -> Result<ScanSplit> {
+    /// Medians of `runs` snapshots run in `ns`.
+    pub(super) fn measure(ns: &NsHandle, runs: usize) -> Result<ScanSplit> {
         let mut all = Vec::new();
         for _ in 0..runs {
             let out = snapshot_cmd(ns)

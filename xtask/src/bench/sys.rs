@@ -167,6 +167,11 @@ impl NetNs {
     pub fn handle(&self) -> NsHandle {
         self.handle.clone()
     }
+
+    /// Its name under /run/netns.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
 }
 
 impl Drop for NetNs {

@@ -1,0 +1,462 @@
+//! Measure 7: many network namespaces. The bench creates them (deleted on drop), each with
+//! `lo` up and a holder process keeping loopback connections open inside it. Side by side, in
+//! alternated rounds: one `connreap snapshot --json` (every namespace in one run) against what a
+//! user would script without connreap, `ss -tanp` entered into each namespace in turn with
+//! `nsenter --net`. Then a daemon scanning them all: its CPU per scan and its VmRSS.
+use std::{
+    collections::HashSet,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use anyhow::{bail, Context, Result};
+
+use super::{
+    agent::{self, Daemon},
+    footprint,
+    load::{self, Holders},
+    proc::{self, Timed},
+    report::{ms, Row, Verdict},
+    scale::ScanSplit,
+    sys::{NetNs, NsHandle},
+    Ctx,
+};
+
+/// The issue's target: a snapshot of every namespace in at most a tenth of the scripted loop.
+const VS_LOOP: f64 = 0.1;
+
+/// How many namespaces, connections per namespace (two sockets each, plus the listener),
+/// alternated rounds, daemon scan interval and scans observed.
+struct Size {
+    spaces: usize,
+    conns: usize,
+    rounds: usize,
+    interval: f64,
+    scans: usize,
+}
+
+impl Size {
+    fn of(ctx: &Ctx) -> Size {
+        if ctx.smoke {
+            Size {
+                spaces: 5,
+                conns: 50,
+                rounds: 2,
+                interval: 1.0,
+                scans: 3,
+            }
+        } else {
+            Size {
+                spaces: 100,
+                conns: 500,
+                rounds: 3,
+                interval: 2.0,
+                scans: 10,
+            }
+        }
+    }
+}
+
+/// The namespaces and the holders in them; the holders stop before the namespaces go.
+struct Population {
+    holders: Vec<Holders>,
+    spaces: Vec<NetNs>,
+    held: usize,
+}
+
+impl Population {
+    fn start(size: &Size) -> Result<Population> {
+        let mut p = Population {
+            holders: Vec::new(),
+            spaces: Vec::new(),
+            held: 0,
+        };
+        for i in 0..size.spaces {
+            let ns = NetNs::new(&format!("many{i}"))?;
+            let h = Holders::start(&ns.handle(), &[size.conns])?;
+            p.held += h.sockets;
+            p.holders.push(h);
+            p.spaces.push(ns);
+        }
+        Ok(p)
+    }
+
+    fn names(&self) -> Vec<String> {
+        self.spaces.iter().map(|n| n.name().to_string()).collect()
+    }
+}
+
+impl Drop for Population {
+    fn drop(&mut self) {
+        self.holders.clear();
+        self.spaces.clear();
+    }
+}
+
+/// What one parsed snapshot saw: all its rows, the rows in the bench's namespaces, those with
+/// an owner, and the distinct namespaces with at least one row.
+struct Seen {
+    rows: usize,
+    ours: usize,
+    ours_owned: usize,
+    spaces: usize,
+}
+
+fn snapshot_cmd(host: &NsHandle) -> Command {
+    let mut c = host.command(agent::bin());
+    c.args(["snapshot", "--json"]);
+    c
+}
+
+fn verify(host: &NsHandle, names: &[String]) -> Result<Seen> {
+    let out = snapshot_cmd(host)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        bail!("connreap snapshot --json failed: {}", out.status);
+    }
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let socks = v["sockets"].as_array().context("no sockets in snapshot")?;
+    let ours: HashSet<&str> = names.iter().map(String::as_str).collect();
+    let mine: Vec<&serde_json::Value> = socks
+        .iter()
+        .filter(|s| s["netns_name"].as_str().is_some_and(|n| ours.contains(n)))
+        .collect();
+    let spaces: HashSet<u64> = socks.iter().filter_map(|s| s["netns"].as_u64()).collect();
+    Ok(Seen {
+        rows: socks.len(),
+        ours: mine.len(),
+        ours_owned: mine.iter().filter(|s| s["pid"].is_u64()).count(),
+        spaces: spaces.len(),
+    })
+}
+
+/// The namespaces one snapshot scanned (its `connreap::scan` debug line's `namespaces=`).
+fn scanned_namespaces(host: &NsHandle) -> Option<u64> {
+    let out = snapshot_cmd(host)
+        .env("RUST_LOG", "connreap::scan=debug")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .output()
+        .ok()?;
+    String::from_utf8_lossy(&out.stderr)
+        .split_whitespace()
+        .find_map(|w| w.strip_prefix("namespaces=")?.parse().ok())
+}
+
+/// The loop a user would write: `ss ARGS` in each namespace in turn, entered with
+/// `nsenter --net` (lighter than `ip netns exec`, which also remounts /sys in a new mount
+/// namespace). Timed as one command: the shell waits for each child, so its CPU times include
+/// theirs.
+fn ss_loop(names: &[String], args: &str) -> Command {
+    let mut c = Command::new("sh");
+    c.arg("-c")
+        .arg(format!(
+            "for n in \"$@\"; do nsenter --net=\"/run/netns/$n\" ss {args} || exit 1; done"
+        ))
+        .arg("sh")
+        .args(names);
+    c
+}
+
+/// Lines of `ss -tanH` over all the bench's namespaces (the sockets the loop reports).
+fn ss_loop_count(names: &[String]) -> Result<usize> {
+    let out = ss_loop(names, "-tanH").stderr(Stdio::null()).output()?;
+    if !out.status.success() {
+        bail!("nsenter + ss loop failed: {}", out.status);
+    }
+    Ok(String::from_utf8_lossy(&out.stdout).lines().count())
+}
+
+fn median(mut v: Vec<Timed>) -> Timed {
+    v.sort_by_key(|t| t.wall);
+    v[v.len() / 2]
+}
+
+fn fmt_t(t: &Timed) -> String {
+    format!("{} (user {}, sys {})", ms(t.wall), ms(t.user), ms(t.sys))
+}
+
+/// Every round's times: connreap's snapshot, the `ss -tanp` loop and the `ss -tan` loop.
+struct Rounds {
+    snap: Vec<Timed>,
+    ssp: Vec<Timed>,
+    ss: Vec<Timed>,
+}
+
+/// `n` rounds; the snapshot runs first in even rounds and last in odd ones, so a drift of the
+/// machine during a round weighs on both sides alike.
+fn rounds(host: &NsHandle, names: &[String], n: usize) -> Result<Rounds> {
+    let timeout = Duration::from_secs(1800);
+    let mut r = Rounds {
+        snap: Vec::new(),
+        ssp: Vec::new(),
+        ss: Vec::new(),
+    };
+    for i in 0..n {
+        if i % 2 == 0 {
+            r.snap.push(proc::timed(&mut snapshot_cmd(host), timeout)?);
+        }
+        r.ssp
+            .push(proc::timed(&mut ss_loop(names, "-tanp"), timeout)?);
+        r.ss.push(proc::timed(&mut ss_loop(names, "-tan"), timeout)?);
+        if i % 2 == 1 {
+            r.snap.push(proc::timed(&mut snapshot_cmd(host), timeout)?);
+        }
+        eprintln!(
+            "bench: measure 7 round {}: snapshot {}, ss -tanp loop {}",
+            i + 1,
+            ms(r.snap[i].wall),
+            ms(r.ssp[i].wall)
+        );
+    }
+    Ok(r)
+}
+
+pub fn namespaces(ctx: &mut Ctx) -> Result<Vec<Row>> {
+    let size = Size::of(ctx);
+    load::raise_nofile()?;
+    if Command::new("nsenter").arg("-V").output().is_err() {
+        bail!("`nsenter` (util-linux) not found");
+    }
+    let pop = Population::start(&size)?;
+    let names = pop.names();
+    let host = NsHandle::current()?;
+    let seen = verify(&host, &names)?;
+    if seen.ours < pop.held {
+        bail!(
+            "the snapshot saw {} sockets in the bench's namespaces but {} are held",
+            seen.ours,
+            pop.held
+        );
+    }
+    let scanned = scanned_namespaces(&host);
+    let ss_seen = ss_loop_count(&names)?;
+    let r = rounds(&host, &names, size.rounds)?;
+    let split = ScanSplit::measure(&host, size.rounds)?;
+    let mut rows = vec![snapshot_row(
+        &size, &pop, &seen, scanned, ss_seen, &r, &split,
+    )];
+    rows.extend(daemon_rows(ctx, &size, &pop)?);
+    drop(pop);
+    Ok(rows)
+}
+
+fn snapshot_row(
+    size: &Size,
+    pop: &Population,
+    seen: &Seen,
+    scanned: Option<u64>,
+    ss_seen: usize,
+    r: &Rounds,
+    split: &ScanSplit,
+) -> Row {
+    let (snap, ssp, ss) = (
+        median(r.snap.clone()),
+        median(r.ssp.clone()),
+        median(r.ss.clone()),
+    );
+    let ratio = snap.wall.as_secs_f64() / ssp.wall.as_secs_f64().max(1e-9);
+    let each = |v: &[Timed]| v.iter().map(|t| ms(t.wall)).collect::<Vec<_>>().join(", ");
+    let spaces = size.spaces;
+    let scanned = scanned.map_or("?".to_string(), |n| n.to_string());
+    let details = vec![
+        format!(
+            "{spaces} namespaces, each with `lo` up and one holder process keeping {} loopback \
+             connections (both ends) to a listener of its own: {} sockets held. The snapshot \
+             (run in the host namespace, every namespace by default) scanned {scanned} \
+             namespaces (the bench's, the host's and any other on the machine) and returned {} \
+             rows in {} namespaces; {} of them in the bench's namespaces, {} with an owner. The \
+             loop's `ss -tan` reported {ss_seen} sockets. Medians of {} alternated rounds, \
+             stdout to /dev/null:",
+            size.conns,
+            pop.held,
+            seen.rows,
+            seen.spaces,
+            seen.ours,
+            seen.ours_owned,
+            size.rounds,
+        ),
+        format!(
+            "\n| command | wall | user | sys | each round (wall) |\n|---|---|---|---|---|\n\
+             | `connreap snapshot --json` | {} | {} | {} | {} |\n\
+             | `nsenter --net=/run/netns/NAME ss -tanp`, for each namespace in turn | {} | {} | {} | {} |\n\
+             | `nsenter --net=/run/netns/NAME ss -tan`, for each namespace in turn | {} | {} | {} | {} |",
+            ms(snap.wall),
+            ms(snap.user),
+            ms(snap.sys),
+            each(&r.snap),
+            ms(ssp.wall),
+            ms(ssp.user),
+            ms(ssp.sys),
+            each(&r.ssp),
+            ms(ss.wall),
+            ms(ss.user),
+            ms(ss.sys),
+            each(&r.ss),
+        ),
+        format!(
+            "\nInside the snapshot (its `RUST_LOG=connreap::scan=debug,connreap::snapshot=debug` \
+             lines, median of {} more runs): opening the pinned programs and maps {}; both dumps \
+             (namespace discovery, then one iter/tcp dump per namespace from a thread that \
+             enters it, next to the one iter/task_file dump) {}: the socket dumps {} ({} of it in \
+             the kernel), the owner dump {} ({} in the kernel); the merge {}; sorting, the \
+             summary and the JSON {}.",
+            size.rounds,
+            ms(split.load),
+            ms(split.dumps),
+            ms(split.socket_total),
+            ms(split.socket_kernel),
+            ms(split.owner_total),
+            ms(split.owner_kernel),
+            ms(split.merge),
+            ms(split.output),
+        ),
+    ];
+    let verdict = Verdict::of(ratio <= VS_LOOP);
+    let diagnosis = if verdict == Verdict::Miss {
+        vec![format!(
+            "`connreap snapshot --json` took {} for all namespaces; the `ss -tanp` loop {}, of \
+             which the same loop without `-p` (no owner walk over /proc) takes {}.",
+            fmt_t(&snap),
+            fmt_t(&ssp),
+            fmt_t(&ss)
+        )]
+    } else {
+        vec![]
+    };
+    Row {
+        id: "7",
+        name: format!(
+            "snapshot @ {spaces} namespaces × {} sockets vs nsenter + ss -tanp per namespace",
+            2 * size.conns
+        ),
+        result: format!("{ratio:.3}×"),
+        figures: format!("connreap {}; the loop {}", fmt_t(&snap), fmt_t(&ssp)),
+        target: format!("≤ {VS_LOOP}×"),
+        verdict,
+        details,
+        diagnosis,
+    }
+}
+
+/// What the daemon did over the observed scans.
+struct Observed {
+    scans: f64,
+    scan_s: f64,
+    cpu: Duration,
+    user: Duration,
+    sys: Duration,
+    wall: Duration,
+    /// VmRSS after each scan, kB.
+    rss: Vec<u64>,
+    hwm: u64,
+    kinds: String,
+    /// Sockets in the daemon's last scan (the sum of `connreap_sockets`).
+    sockets: f64,
+}
+
+/// A daemon in a namespace of its own (for its API port; wherever it runs, it scans every
+/// namespace): after 2 warm-up scans, its CPU over `size.scans` scans and VmRSS after each.
+fn observe(ctx: &Ctx, size: &Size) -> Result<Observed> {
+    let ctl = NetNs::new("manyctl")?;
+    let h = ctl.handle();
+    let timeout = Duration::from_secs(120);
+    let mut d = Daemon::start(&h, &ctx.dir, "netns", &format!("{}s", size.interval), "")?;
+    d.wait_scans(2.0, timeout)?;
+    let (u0, s0) = proc::cpu_times(d.pid())?;
+    let t0 = Instant::now();
+    let m0 = d.scrape()?;
+    let mut rss = Vec::new();
+    let mut m1 = m0.clone();
+    for _ in 0..size.scans {
+        m1 = d.wait_scans(1.0, timeout)?;
+        rss.push(proc::status_kb(d.pid(), "VmRSS")?);
+    }
+    let (u1, s1) = proc::cpu_times(d.pid())?;
+    let wall = t0.elapsed();
+    let (user, sys) = (u1.saturating_sub(u0), s1.saturating_sub(s0));
+    let o = Observed {
+        scans: m1.scans() - m0.scans(),
+        scan_s: m1.scan_seconds() - m0.scan_seconds(),
+        cpu: user + sys,
+        user,
+        sys,
+        wall,
+        rss,
+        hwm: proc::status_kb(d.pid(), "VmHWM")?,
+        kinds: footprint::kinds(d.pid())?,
+        sockets: m1.sum("connreap_sockets"),
+    };
+    drop(d);
+    drop(ctl);
+    Ok(o)
+}
+
+fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
+    let o = observe(ctx, size)?;
+    let spaces = size.spaces;
+    let scans = o.scans.max(1.0);
+    let per_scan = o.cpu.div_f64(scans);
+    let mean_scan = Duration::from_secs_f64(o.scan_s / scans);
+    let pct = o.cpu.as_secs_f64() / o.wall.as_secs_f64().max(1e-9) * 100.0;
+    let cpu = Row {
+        id: "7",
+        name: format!(
+            "daemon CPU per scan @ {spaces} namespaces ({} sockets)",
+            pop.held
+        ),
+        result: format!("{} CPU per scan", ms(per_scan)),
+        figures: format!(
+            "user {} + sys {} over {:.0} scans at {}s ({pct:.1} % of one core); mean scan {}; \
+             {:.0} sockets in its last scan",
+            ms(o.user),
+            ms(o.sys),
+            o.scans,
+            size.interval,
+            ms(mean_scan),
+            o.sockets
+        ),
+        target: "none set (informational)".into(),
+        verdict: Verdict::Info,
+        details: vec![],
+        diagnosis: vec![],
+    };
+    let peak_kb = o.rss.iter().copied().max().unwrap_or(0);
+    let peak = peak_kb as f64 / 1024.0;
+    let series: Vec<String> = o
+        .rss
+        .iter()
+        .map(|k| format!("{:.1}", *k as f64 / 1024.0))
+        .collect();
+    let verdict = Verdict::of(peak <= footprint::RSS_TARGET_MB);
+    let facts = vec![
+        format!(
+            "VmRSS (MB) after each of {} scans, from the 3rd scan on: {} (the largest is judged); \
+             VmHWM {:.1} MB.",
+            size.scans,
+            series.join(", "),
+            o.hwm as f64 / 1024.0
+        ),
+        format!("At the end: {}.", o.kinds),
+    ];
+    let mem = Row {
+        id: "7",
+        name: format!("daemon memory @ {spaces} namespaces ({} sockets)", pop.held),
+        result: format!("{peak:.1} MB VmRSS"),
+        figures: format!(
+            "largest VmRSS sampled after each scan; VmHWM {:.1} MB",
+            o.hwm as f64 / 1024.0
+        ),
+        target: format!("≤ {} MB", footprint::RSS_TARGET_MB),
+        verdict,
+        details: facts.clone(),
+        diagnosis: if verdict == Verdict::Miss {
+            facts
+        } else {
+            vec![]
+        },
+    };
+    Ok(vec![cpu, mem])
+}
