@@ -248,7 +248,7 @@ fn assert_rules_loaded_and_firing(ns: &NetNs) {
             .cloned()
             .unwrap_or_else(|| panic!("no connreap rule group: {data:#}"));
         let rules = group["rules"].as_array().cloned().unwrap_or_default();
-        assert_eq!(rules.len(), 10, "{group:#}");
+        assert_eq!(rules.len(), 11, "{group:#}");
         for r in &rules {
             assert_eq!(r["health"], "ok", "{r:#}");
         }
