@@ -1,5 +1,10 @@
 //! Reclaim policies: which sockets a policy may close this round (pure), and the decisions
 //! that come out of a round. Execution (re-check, destroy, audit) lives in `exec`.
+//!
+//! Namespaces: a policy whose `select` names no `netns`/`container` applies in every network
+//! namespace; one that names one applies only there. A quota-saturated policy moreover only
+//! ever takes sockets of its quota's namespace (whatever its selector says): the quota was
+//! read there. `protect_ports` apply in every namespace.
 pub mod audit;
 pub mod exec;
 pub mod kill;
@@ -9,9 +14,9 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::{
-    config::{PolicyConfig, PolicyMode, ReclaimConfig, Selector, Trigger},
+    config::{PolicyConfig, PolicyMode, QuotaConfig, ReclaimConfig, Selector, Trigger},
     detect::QuotaRef,
-    quota::QuotaStatus,
+    quota::{QuotaStatus, Scope},
     table::{canon, Socket, TcpState},
 };
 
@@ -21,7 +26,9 @@ pub const DEFAULT_STATES: [TcpState; 2] = [TcpState::Established, TcpState::Clos
 /// Does the socket match the policy's selectors (not its thresholds)? A socket with no owner
 /// (a connection still in a listener's accept queue, or one whose owner was not found) matches
 /// only a selector that says `unowned = true`, which config validation allows only with a
-/// port: `comm = "?"` (how such sockets are shown) alone never selects them.
+/// port: `comm = "?"` (how such sockets are shown) alone never selects them. `netns` is the
+/// socket's namespace (a name, an inode or "host"); `container` a prefix of its owner's
+/// container id (so an unowned socket never matches it).
 pub fn selected(sel: &Selector, s: &Socket) -> bool {
     let states: &[TcpState] = if sel.states.is_empty() {
         &DEFAULT_STATES
@@ -41,6 +48,11 @@ pub fn selected(sel: &Selector, s: &Socket) -> bool {
         && sel.local_port.is_none_or(|p| p == s.local.port())
         && sel.peer_port.is_none_or(|p| p == s.peer.port())
         && sel.peer.is_none_or(|p| canon(p) == canon(s.peer))
+        && sel.netns.as_deref().is_none_or(|n| s.netns.matches(n))
+        && sel
+            .container
+            .as_deref()
+            .is_none_or(|c| s.container_id().is_some_and(|id| id.starts_with(c)))
 }
 
 /// Idle and age thresholds. Unknown ages count as their lower bound (never over-estimated).
@@ -116,18 +128,22 @@ pub struct Plan<'a> {
     pub skipped: Vec<(&'a Socket, String)>,
 }
 
+/// `quota` is the policy's quota (when it names one): a quota-saturated policy plans only in
+/// that quota's namespace (connreap's own if the quota names none).
 pub fn plan<'a>(
     p: &PolicyConfig,
     rc: &ReclaimConfig,
     own_pid: u32,
     table: &'a [Socket],
+    quota: Option<&QuotaConfig>,
 ) -> Plan<'a> {
+    let scope = (p.trigger == Trigger::QuotaSaturated)
+        .then(|| Scope::at(quota.and_then(QuotaConfig::place), table));
     let mut targets = Vec::new();
     let mut skipped = Vec::new();
-    for s in table
-        .iter()
-        .filter(|s| selected(&p.select, s) && old_enough(p, s))
-    {
+    for s in table.iter().filter(|s| {
+        selected(&p.select, s) && old_enough(p, s) && scope.as_ref().is_none_or(|q| q.contains(s))
+    }) {
         match protected(rc, own_pid, s) {
             Some(why) => skipped.push((s, why)),
             None => targets.push(s),
@@ -181,6 +197,12 @@ pub struct Decision {
     pub pid: Option<u32>,
     pub comm: String,
     pub unit: Option<String>,
+    /// The socket's network namespace: its inode, and its name when it has one.
+    pub netns: u32,
+    pub netns_name: Option<String>,
+    /// The full id of the container its owner runs in, when it runs in one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
     pub state: TcpState,
     pub age_secs: f64,
     pub age_exact: bool,
@@ -213,6 +235,9 @@ pub fn decision(
         pid: s.pid(),
         comm: s.comm().to_string(),
         unit: s.unit(),
+        netns: s.netns.inode,
+        netns_name: s.netns.name.as_deref().map(String::from),
+        container: s.container_id().map(String::from),
         state: s.state,
         age_secs: crate::present::round_secs(s.age),
         age_exact: s.age_exact,
@@ -335,7 +360,7 @@ quota = "relay"
             "127.0.0.1:25001",
             TcpState::Established,
         ));
-        let plan = plan(&p, &rc, 999, &t);
+        let plan = plan(&p, &rc, 999, &t, None);
         assert_eq!(plan.targets.len(), 8);
         let ports: Vec<u16> = plan.targets.iter().map(|s| s.local.port()).collect();
         assert_eq!(ports, (40011..=40018).rev().collect::<Vec<_>>());
@@ -352,12 +377,12 @@ quota = "relay"
             "127.0.0.1:22",
             TcpState::Established,
         )];
-        let pl = plan(&p, &rc, 999, &t);
+        let pl = plan(&p, &rc, 999, &t, None);
         assert!(pl.targets.is_empty());
         assert!(pl.skipped[0].1.contains("protect_ports"));
         let (p, rc) = policy("trigger = \"always\"\nselect = { peer_port = 25001 }\n");
         let t = node_socks(1);
-        let pl = plan(&p, &rc, 10, &t);
+        let pl = plan(&p, &rc, 10, &t, None);
         assert_eq!(pl.skipped[0].1, "connreap's own socket");
     }
 
@@ -416,6 +441,144 @@ quota = "relay"
         assert!(!sel(&|x| x.unit = Some("a.service".into())));
     }
 
+    /// `node` connections to 25001 in namespace `ns` (1 host, 2 "blue"), in container `c`.
+    fn in_ns(ns: u32, c: Option<&str>, n: u16) -> Vec<Socket> {
+        node_socks(n)
+            .into_iter()
+            .map(|s| crate::quota::placed(s, ns, c))
+            .collect()
+    }
+
+    fn namespaces(targets: &[&Socket]) -> Vec<u32> {
+        let mut v: Vec<u32> = targets.iter().map(|s| s.netns.inode).collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+
+    #[test]
+    fn netns_and_container_selectors_filter_targets() {
+        let (a, b) = ("3f2a".repeat(16), "abab".repeat(16));
+        let mut t = in_ns(1, None, 2);
+        t.extend(in_ns(2, Some(&a), 2));
+        t.extend(in_ns(3, Some(&b), 2));
+        let pick = |select: &str| {
+            let (p, rc) = policy(&format!("trigger = \"always\"\nselect = {{ {select} }}\n"));
+            namespaces(&plan(&p, &rc, 999, &t, None).targets)
+        };
+        // No namespace selector: every namespace.
+        assert_eq!(pick("comm = \"node\""), vec![1, 2, 3]);
+        assert_eq!(pick("comm = \"node\", netns = \"host\""), vec![1]);
+        assert_eq!(pick("comm = \"node\", netns = \"blue\""), vec![2]);
+        assert_eq!(pick("peer_port = 25001, netns = \"3\""), vec![3]);
+        assert_eq!(pick("container = \"3F2A\""), vec![2], "prefix, any case");
+        assert_eq!(pick("container = \"abab\", peer_port = 25001"), vec![3]);
+        assert!(pick("container = \"ffff\"").is_empty());
+        // A container selector never matches a socket nobody holds.
+        let mut unowned = t[2].clone();
+        unowned.owner = None;
+        let mut sel = Selector {
+            container: Some("3f2a".into()),
+            peer_port: Some(25001),
+            unowned: true,
+            ..Selector::default()
+        };
+        assert!(selected(&sel, &t[2]) && !selected(&sel, &unowned));
+        // ... but a netns selector does.
+        sel.container = None;
+        sel.netns = Some("blue".into());
+        assert!(selected(&sel, &unowned));
+    }
+
+    #[test]
+    fn a_quota_policy_targets_only_its_quotas_namespace() {
+        let a = "3f2a".repeat(16);
+        let mut t = in_ns(1, None, 3);
+        t.extend(in_ns(2, None, 3));
+        t.extend(in_ns(4, Some(&a), 3));
+        let select = "trigger = \"quota-saturated\"\nselect = { comm = \"node\" }\n";
+        let (p, rc) = policy(select);
+        let quota = |place: &str| {
+            let mut q = crate::config::parse(
+                &format!("[[quota]]\nname = \"relay\"\nprocess = \"x\"\npeer = \"1.2.3.4:5\"\nlimit = 1\n{place}\n"),
+                "t",
+            )
+            .unwrap();
+            q.quota.remove(0)
+        };
+        let pick = |q: Option<&QuotaConfig>| namespaces(&plan(&p, &rc, 999, &t, q).targets);
+        assert_eq!(
+            pick(Some(&quota(""))),
+            vec![1],
+            "a quota without netns: the host's"
+        );
+        assert_eq!(pick(None), vec![1]);
+        assert_eq!(pick(Some(&quota("netns = \"blue\""))), vec![2]);
+        assert_eq!(pick(Some(&quota("container = \"3f2a\""))), vec![4]);
+        // Its selector narrows further; it never widens past the quota's namespace.
+        let (p2, _) = policy(
+            "trigger = \"quota-saturated\"\nselect = { comm = \"node\", netns = \"host\" }\n",
+        );
+        assert!(plan(&p2, &rc, 999, &t, Some(&quota("netns = \"blue\"")))
+            .targets
+            .is_empty());
+        // An "always" policy naming a quota is not scoped by it.
+        let (p3, _) = policy("trigger = \"always\"\nselect = { comm = \"node\" }\n");
+        let all = plan(&p3, &rc, 999, &t, Some(&quota("netns = \"blue\"")));
+        assert_eq!(namespaces(&all.targets), vec![1, 2, 4]);
+    }
+
+    #[test]
+    fn protect_ports_apply_in_every_namespace() {
+        let (p, rc) = policy("trigger = \"always\"\nselect = { peer_port = 22 }\n");
+        let ssh = |ns| {
+            let s = sock(
+                10,
+                "ssh",
+                "127.0.0.1:40000",
+                "127.0.0.1:22",
+                TcpState::Established,
+            );
+            crate::quota::placed(s, ns, Some(&"ab".repeat(32)))
+        };
+        let t = vec![ssh(1), ssh(2), ssh(3)];
+        let pl = plan(&p, &rc, 999, &t, None);
+        assert!(pl.targets.is_empty());
+        assert_eq!(pl.skipped.len(), 3);
+        assert!(pl
+            .skipped
+            .iter()
+            .all(|(_, why)| why.contains("protect_ports")));
+    }
+
+    #[test]
+    fn decisions_name_namespace_and_container() {
+        let (p, _) = policy("trigger = \"always\"\nselect = { comm = \"node\" }\n");
+        let id = "3f2a".repeat(16);
+        let s = &in_ns(2, Some(&id), 1)[0];
+        let d = decision(&p, &Mode::DryRun, s, &None, Outcome::WouldKill, None, 1);
+        let v = serde_json::to_value(&d).unwrap();
+        assert_eq!(v["netns"], 2);
+        assert_eq!(v["netns_name"], "blue");
+        assert_eq!(v["container"], id.as_str());
+        let s = &in_ns(7, None, 1)[0];
+        let v = serde_json::to_value(decision(
+            &p,
+            &Mode::DryRun,
+            s,
+            &None,
+            Outcome::WouldKill,
+            None,
+            1,
+        ))
+        .unwrap();
+        assert_eq!(
+            (v["netns"].as_u64(), v["netns_name"].is_null()),
+            (Some(7), true)
+        );
+        assert!(v.get("container").is_none());
+    }
+
     #[test]
     fn unowned_sockets_need_unowned_and_a_port() {
         // A connection in a listener's accept queue: nobody holds it yet.
@@ -456,7 +619,7 @@ quota = "relay"
         // And a policy that reads `comm = "?"` plans nothing on it.
         let (p, rc) = policy("trigger = \"always\"\nselect = { comm = \"?\" }\n");
         let t = vec![s.clone()];
-        let pl = plan(&p, &rc, 999, &t);
+        let pl = plan(&p, &rc, 999, &t, None);
         assert!(pl.targets.is_empty() && pl.skipped.is_empty());
     }
 }
