@@ -151,6 +151,23 @@ pub enum FindError {
 /// The namespace `wanted` names: "host" (connreap's own), a name under `/run/netns` or
 /// `/run/docker/netns`, or an inode (of a namespace a process lives in or a name refers to).
 pub fn find(wanted: &str) -> Result<Namespace, FindError> {
+    let is_name = wanted != "host" && wanted.parse::<u32>().is_err();
+    if is_name && !wanted.contains('/') {
+        // Names only come from these directories: no need to walk /proc.
+        for dir in NAMED_DIRS {
+            let path = std::path::Path::new(dir).join(wanted);
+            if let Ok(m) = fs::metadata(&path) {
+                let inode = m.ino() as u32;
+                return Ok(Namespace {
+                    inode,
+                    name: Some(wanted.to_string()),
+                    own: inode == current_inode()?,
+                    path,
+                });
+            }
+        }
+        return Err(FindError::NoNetns(wanted.to_string()));
+    }
     let spaces = if wanted == "host" {
         // Only the own namespace can match: no need to walk /proc.
         vec![Namespace {
