@@ -252,6 +252,46 @@ pub struct QuotaConfig {
     /// Largest response body read from an HTTP source (default [`DEFAULT_MAX_BODY`]); a
     /// bigger one makes the source unavailable.
     pub max_body: Option<ByteSize>,
+    /// The network namespace the quota's ports live in, and its URL is polled from: a name
+    /// under /run/netns or /run/docker/netns, an inode, or "host". Without it (and without
+    /// `container`): connreap's own namespace.
+    pub netns: Option<String>,
+    /// Instead of `netns`: the network namespace of the container whose id starts with this
+    /// (at least 4 hex digits; stored lowercase).
+    #[serde(default, deserialize_with = "lowercase")]
+    pub container: Option<String>,
+}
+
+/// Where a quota's ports, or a policy's sockets, live: `netns = ...` or `container = ...`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Place<'a> {
+    /// A network namespace: a name, an inode or "host".
+    Netns(&'a str),
+    /// A container, by lowercase id prefix.
+    Container(&'a str),
+}
+
+/// `netns` and `container` of a table (validation refuses both at once; netns wins).
+fn place_of<'a>(netns: &'a Option<String>, container: &'a Option<String>) -> Option<Place<'a>> {
+    match (netns, container) {
+        (Some(n), _) => Some(Place::Netns(n)),
+        (None, Some(c)) => Some(Place::Container(c)),
+        (None, None) => None,
+    }
+}
+
+impl std::fmt::Display for Place<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Place::Netns(n) => write!(f, "netns {n}"),
+            Place::Container(c) => write!(f, "container {c}"),
+        }
+    }
+}
+
+/// An optional string, lowercased (container ids are lowercase hex).
+fn lowercase<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<String>, D::Error> {
+    Ok(Option::<String>::deserialize(d)?.map(|s| s.to_ascii_lowercase()))
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -302,6 +342,13 @@ pub struct Selector {
     /// queue). Only with local_port or peer_port: without it they are never selected.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub unowned: bool,
+    /// Only sockets in this network namespace (a name, an inode or "host"). Without `netns`
+    /// and `container` a policy applies in every namespace.
+    pub netns: Option<String>,
+    /// Only sockets whose owner runs in a container whose id starts with this (at least 4
+    /// hex digits; stored lowercase). Sockets with no owner never match it.
+    #[serde(default, deserialize_with = "lowercase")]
+    pub container: Option<String>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -376,6 +423,10 @@ impl QuotaConfig {
     /// `max_body`, else the default.
     pub fn max_body(&self) -> u64 {
         self.max_body.unwrap_or(DEFAULT_MAX_BODY).0
+    }
+    /// The namespace or container the quota names; None: connreap's own namespace.
+    pub fn place(&self) -> Option<Place<'_>> {
+        place_of(&self.netns, &self.container)
     }
 }
 

@@ -180,7 +180,7 @@ fn reclaim_once(
         .map(|q| {
             if q.is_http() {
                 let timeout = quota::timeout(q, cfg.agent.scan_interval);
-                rt.block_on(quota::poll(&client, q, timeout, None))
+                rt.block_on(poller::poll_once(&client, q, timeout, None, &mut None))
             } else {
                 quota::static_status(q, &table, now)
             }

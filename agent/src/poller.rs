@@ -1,11 +1,20 @@
 //! HTTP quota sources, each polled by its own task; the latest reading of each is published on
 //! a watch channel that the scan loop reads.
+//!
+//! A source whose quota names a network namespace (`netns`) or a container (`container`) is
+//! polled from inside that namespace, so a URL on 127.0.0.1 reaches the service there (a
+//! relay's status port inside a pod). The namespace is looked up again on every poll (pods
+//! restart, names are re-created), then a thread of its own enters it and makes the request
+//! with a client and runtime made on that thread: a socket belongs to the namespace of the
+//! thread that creates it, and threads it starts inherit that namespace. A namespace that
+//! cannot be found or entered makes the source unavailable, saying why.
 use std::time::Duration;
 
 use tokio::sync::watch;
 
 use crate::{
-    config::{Config, QuotaConfig},
+    config::{Config, Place, QuotaConfig},
+    kernel::netns::{self, Namespace},
     quota::{self, QuotaStatus},
     tasks::Supervisor,
 };
@@ -53,15 +62,181 @@ async fn poll_forever(
     let timeout = quota::timeout(&cfg, scan_interval);
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut hint = None;
     loop {
         ticker.tick().await;
         let previous = out.borrow().clone();
-        let status = quota::poll(&client, &cfg, timeout, previous.as_ref()).await;
+        let status = poll_once(&client, &cfg, timeout, previous.as_ref(), &mut hint).await;
         if let Some(err) = &status.error {
             if previous.as_ref().and_then(|p| p.error.as_ref()) != Some(err) {
                 tracing::warn!(quota = %cfg.name, error = %err, "quota source unavailable");
             }
         }
         out.send_replace(Some(status));
+    }
+}
+
+/// Poll one HTTP source once, from inside its namespace when it names one (`client` serves
+/// connreap's own). `hint` carries the pid a container was found by from poll to poll.
+/// Never fails: problems become the status's `error`.
+pub async fn poll_once(
+    client: &reqwest::Client,
+    cfg: &QuotaConfig,
+    timeout: Duration,
+    previous: Option<&QuotaStatus>,
+    hint: &mut Option<u32>,
+) -> QuotaStatus {
+    let Some(place) = cfg.place() else {
+        return quota::poll(client, cfg, timeout, previous).await;
+    };
+    let failed = |why: String| quota::failed(cfg, previous, chrono::Utc::now(), why);
+    // Finding it reads /proc (every process's cgroup, for a container): off the runtime.
+    let wanted = Wanted::of(place, *hint);
+    let ns = match tokio::task::spawn_blocking(move || wanted.find()).await {
+        Ok(Ok((ns, pid))) => {
+            *hint = pid;
+            ns
+        }
+        Ok(Err(e)) => return failed(e.to_string()),
+        Err(e) => return failed(format!("finding the namespace to poll in failed: {e}")),
+    };
+    if ns.own {
+        return quota::poll(client, cfg, timeout, previous).await;
+    }
+    let (cfg2, previous2) = (cfg.clone(), previous.cloned());
+    let inode = ns.inode;
+    let polled = tokio::task::spawn_blocking(move || {
+        netns::run_in(&ns, move || poll_here(&cfg2, timeout, previous2.as_ref()))
+    })
+    .await;
+    match polled {
+        Ok(Ok(Ok(status))) => status,
+        Ok(Ok(Err(why))) => failed(why),
+        Ok(Err(e)) if e.is_gone() => failed(format!("{place} went away before the poll ({e})")),
+        Ok(Err(e)) => failed(format!("{:#}", anyhow::Error::new(e))),
+        Err(e) => failed(format!("the poll in network namespace {inode} failed: {e}")),
+    }
+}
+
+/// A place to find, owned (for a blocking task).
+enum Wanted {
+    Netns(String),
+    Container { prefix: String, hint: Option<u32> },
+}
+
+impl Wanted {
+    fn of(place: Place<'_>, hint: Option<u32>) -> Wanted {
+        match place {
+            Place::Netns(n) => Wanted::Netns(n.to_string()),
+            Place::Container(c) => Wanted::Container {
+                prefix: c.to_string(),
+                hint,
+            },
+        }
+    }
+
+    /// The namespace, and for a container the pid it was found by.
+    fn find(self) -> Result<(Namespace, Option<u32>), netns::FindError> {
+        match self {
+            Wanted::Netns(n) => netns::find(&n).map(|ns| (ns, None)),
+            Wanted::Container { prefix, hint } => {
+                netns::of_container(&prefix, hint).map(|(ns, pid)| (ns, Some(pid)))
+            }
+        }
+    }
+}
+
+/// Poll `cfg` from the calling thread's namespace, with a runtime and a client made here (so
+/// its sockets are this namespace's). Err: neither could be made.
+fn poll_here(
+    cfg: &QuotaConfig,
+    timeout: Duration,
+    previous: Option<&QuotaStatus>,
+) -> Result<QuotaStatus, String> {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| format!("cannot start a runtime to poll in the namespace: {e}"))?;
+    let client = reqwest::Client::builder()
+        .no_proxy()
+        .build()
+        .map_err(|e| format!("cannot make an HTTP client in the namespace: {e}"))?;
+    Ok(rt.block_on(quota::poll(&client, cfg, timeout, previous)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A source on `url` in `place` (netns = "..." or container = "...").
+    fn source(url: &str, place: &str) -> QuotaConfig {
+        let text = format!(
+            "[[quota]]\nname = \"relay\"\nurl = \"{url}\"\nitems = \"/endpoints\"\n\
+             port_field = \"port\"\nused_field = \"streams\"\nlimit = 64\n{place}\n"
+        );
+        crate::config::parse(&text, "t").unwrap().quota.remove(0)
+    }
+
+    /// Serves `body` to one request.
+    async fn serve_once(body: &'static str) -> String {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/status", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut s, _) = listener.accept().await.unwrap();
+            let mut req = [0u8; 1024];
+            let _ = s.read(&mut req).await;
+            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
+            let _ = s.write_all(format!("{head}{body}").as_bytes()).await;
+        });
+        url
+    }
+
+    async fn poll(cfg: &QuotaConfig) -> QuotaStatus {
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        poll_once(&client, cfg, Duration::from_secs(5), None, &mut None).await
+    }
+
+    #[tokio::test]
+    async fn the_own_namespace_is_polled_as_before() {
+        let body = r#"{"endpoints":[{"port":21000,"streams":3}]}"#;
+        for place in ["", "netns = \"host\""] {
+            let q = poll(&source(&serve_once(body).await, place)).await;
+            assert_eq!((q.error, q.entries.len()), (None, 1), "{place}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_namespace_that_is_not_there_makes_the_source_unavailable() {
+        let url = "http://127.0.0.1:9/status";
+        let previous = QuotaStatus {
+            name: "relay".into(),
+            source: "http",
+            url: Some(url.into()),
+            last_poll: None,
+            entries: vec![quota::QuotaEntry {
+                port: 1,
+                used: 1,
+                limit: 64,
+            }],
+            error: None,
+        };
+        let cfg = source(url, "netns = \"connreap-no-such-netns\"");
+        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let t = Duration::from_secs(1);
+        let q = poll_once(&client, &cfg, t, Some(&previous), &mut None).await;
+        assert_eq!(
+            q.error.as_deref(),
+            Some("network namespace `connreap-no-such-netns` not found")
+        );
+        // The last good entries stay for display; a poll was attempted now.
+        assert_eq!((q.entries.len(), q.url.as_deref()), (1, Some(url)));
+        assert!(q.last_poll.is_some());
+        let q = poll(&source(url, "container = \"fedcba9876543210\"")).await;
+        let e = q.error.unwrap();
+        assert!(
+            e.starts_with("no running process of container `fedcba9876543210` found"),
+            "{e}"
+        );
     }
 }

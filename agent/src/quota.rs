@@ -1,8 +1,15 @@
 //! Quota sources: HTTP JSON endpoints (e.g. a relay's `GET /status`) polled in the background,
-//! and static limits (a pool's max-per-route) counted from the socket table.
+//! and static limits (a pool's max-per-route) counted from the socket table. Each counts the
+//! sockets of one network namespace ([`Scope`]).
+mod scope;
+
 use std::time::Duration;
 
 use serde::Serialize;
+
+#[cfg(test)]
+pub(crate) use scope::placed;
+pub use scope::Scope;
 
 use crate::{
     config::{ByteSize, QuotaConfig, MAX_COUNT},
@@ -271,13 +278,16 @@ fn parse_entry(
     Ok(QuotaEntry { port, used, limit })
 }
 
-/// Sockets a static source counts as used: that process's connections to that peer.
+/// Sockets a static source counts as used: that process's connections to that peer, in the
+/// source's namespace.
 pub fn static_sockets<'a>(
     cfg: &'a QuotaConfig,
     table: &'a [Socket],
 ) -> impl Iterator<Item = &'a Socket> {
+    let scope = Scope::of(cfg, table);
     table.iter().filter(move |s| {
-        cfg.process.as_deref() == Some(s.comm())
+        scope.contains(s)
+            && cfg.process.as_deref() == Some(s.comm())
             && cfg.peer.map(canon) == Some(canon(s.peer))
             && !matches!(s.state, TcpState::Listen | TcpState::TimeWait)
     })
@@ -358,16 +368,26 @@ pub async fn poll(
             entries,
             error: None,
         },
-        Err(e) => QuotaStatus {
-            name: cfg.name.clone(),
-            source: "http",
-            url: Some(url),
-            last_poll: Some(now),
-            // Keep the last good entries for display; detectors ignore sources with errors.
-            entries: previous.map(|p| p.entries.clone()).unwrap_or_default(),
-            // The whole chain: the request error's causes say why it failed.
-            error: Some(format!("{:#}", anyhow::Error::new(e))),
-        },
+        // The whole chain: the request error's causes say why it failed.
+        Err(e) => failed(cfg, previous, now, format!("{:#}", anyhow::Error::new(e))),
+    }
+}
+
+/// An HTTP source's status after a poll sent at `now` failed for `error`.
+pub fn failed(
+    cfg: &QuotaConfig,
+    previous: Option<&QuotaStatus>,
+    now: chrono::DateTime<chrono::Utc>,
+    error: String,
+) -> QuotaStatus {
+    QuotaStatus {
+        name: cfg.name.clone(),
+        source: "http",
+        url: cfg.url.clone(),
+        last_poll: Some(now),
+        // Keep the last good entries for display; detectors ignore sources with errors.
+        entries: previous.map(|p| p.entries.clone()).unwrap_or_default(),
+        error: Some(error),
     }
 }
 

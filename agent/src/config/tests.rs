@@ -462,3 +462,136 @@ fn token_file_problems_are_config_errors() {
         "{w:?}"
     );
 }
+
+#[test]
+fn quotas_and_policies_name_a_namespace_or_a_container() {
+    let text = r#"
+[[quota]]
+name = "blue-relay"
+url = "http://127.0.0.1:20080/status"
+port_field = "port"
+used_field = "streams"
+limit = 64
+netns = "blue"
+[[quota]]
+name = "pod-relay"
+url = "http://127.0.0.1:20080/status"
+port_field = "port"
+used_field = "streams"
+limit = 64
+container = "ABCDEF12"
+[[quota]]
+name = "host-pool"
+process = "java"
+peer = "10.0.16.36:80"
+limit = 4
+netns = "host"
+[[policy]]
+name = "p"
+trigger = "always"
+select = { container = "0A1B2C3D", local_port = 20080 }
+[[policy]]
+name = "q"
+trigger = "always"
+select = { netns = "4026532000" }
+"#;
+    let c = parse(text, "t").unwrap();
+    assert_eq!(c.quota[0].place(), Some(Place::Netns("blue")));
+    assert_eq!(c.quota[1].place(), Some(Place::Container("abcdef12")));
+    assert_eq!(c.quota[2].place(), Some(Place::Netns("host")));
+    assert_eq!(c.policy[0].select.container.as_deref(), Some("0a1b2c3d"));
+    assert_eq!(c.policy[1].select.netns.as_deref(), Some("4026532000"));
+    assert_eq!(
+        c.quota[1].place().unwrap().to_string(),
+        "container abcdef12"
+    );
+    // Without either: the own namespace (quotas), every namespace (policies).
+    let c = parse(
+        "[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = { comm = \"x\" }\n",
+        "t",
+    )
+    .unwrap();
+    assert_eq!(
+        (&c.policy[0].select.netns, &c.policy[0].select.container),
+        (&None, &None)
+    );
+    // What is serialized parses back to the same.
+    let again = parse(&toml::to_string(&c).unwrap(), "t").unwrap();
+    assert_eq!(again, c);
+}
+
+#[test]
+fn namespace_and_container_errors_name_line_and_key() {
+    let quota = "[[quota]]\nname = \"q\"\nurl = \"http://x/s\"\nport_field = \"p\"\nused_field = \"u\"\nlimit = 1\n";
+    let policy = |select: &str| {
+        format!("[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = {{ {select} }}\n")
+    };
+    let cases: &[(String, &str)] = &[
+        (
+            format!("{quota}netns = \"blue\"\ncontainer = \"abcd\"\n"),
+            "c.toml:8: `quota[0] (q).container`: set netns or container, not both",
+        ),
+        (
+            format!("{quota}container = \"abc\"\n"),
+            "c.toml:7: `quota[0] (q).container`: `abc` is not a container id prefix (4 to 64 hex digits)",
+        ),
+        (
+            format!("{quota}container = \"wxyz1234\"\n"),
+            "c.toml:7: `quota[0] (q).container`: `wxyz1234` is not a container id prefix",
+        ),
+        (
+            format!("{quota}container = \"{}\"\n", "a".repeat(65)),
+            "c.toml:7: `quota[0] (q).container`: ",
+        ),
+        (
+            format!("{quota}netns = \"all\"\n"),
+            "c.toml:7: `quota[0] (q).netns`: \"all\" is not one namespace: a quota's ports live in one namespace",
+        ),
+        (
+            format!("{quota}netns = \"\"\n"),
+            "c.toml:7: `quota[0] (q).netns`: must not be empty",
+        ),
+        (
+            format!("{quota}netns = \"../etc\"\n"),
+            "c.toml:7: `quota[0] (q).netns`: `../etc` is not a namespace name (as under /run/netns), an inode or \"host\"",
+        ),
+        (
+            format!("{quota}netns = \"0\"\n"),
+            "c.toml:7: `quota[0] (q).netns`: `0` is not a namespace inode",
+        ),
+        (
+            format!("{quota}netns = 7\n"),
+            "c.toml:7:9: `quota[0].netns`: invalid type: integer `7`, expected a string",
+        ),
+        (
+            policy("comm = \"x\", netns = \"blue\", container = \"abcd\""),
+            "c.toml:4: `policy[0] (p).select.container`: set netns or container, not both",
+        ),
+        (
+            policy("comm = \"x\", netns = \"all\""),
+            "c.toml:4: `policy[0] (p).select.netns`: \"all\" is not one namespace: a policy without netns applies in every namespace",
+        ),
+        (
+            policy("container = \"ab\""),
+            "c.toml:4: `policy[0] (p).select.container`: `ab` is not a container id prefix",
+        ),
+        (
+            policy("netns = \"host\""),
+            "c.toml:4: `policy[0] (p).select`: selects nothing specific",
+        ),
+        (
+            "[[policy]]\nname = \"p\"\ntrigger = \"always\"\n[policy.select]\ncomm = \"x\"\ncontainer = \"abcd\"\nnetns = \"red\"\n".into(),
+            "c.toml:6: `policy[0] (p).select.container`: set netns or container, not both",
+        ),
+    ];
+    for (text, expected) in cases {
+        let e = refused(text);
+        assert!(
+            e.starts_with(expected),
+            "{text}\n-> {e}\nexpected {expected}"
+        );
+    }
+    // A container or a namespace other than the host's is specific enough on its own.
+    parse(&policy("container = \"abcd\""), "c.toml").unwrap();
+    parse(&policy("netns = \"blue\""), "c.toml").unwrap();
+}

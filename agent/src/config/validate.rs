@@ -120,6 +120,60 @@ fn validate_quotas(cfg: &Config) -> Result<(), Invalid> {
         if let Some(b) = q.max_body {
             ranges::MAX_BODY.within(&entry, b)?;
         }
+        validate_place(
+            &entry,
+            &q.netns,
+            &q.container,
+            "a quota's ports live in one namespace",
+        )?;
+    }
+    Ok(())
+}
+
+/// `netns` / `container` of a quota or a policy's `select` (`table`): one at most, a netns
+/// that names one namespace, a container id prefix of at least 4 hex digits. `all` says what
+/// leaving `netns` out says for a policy, and cannot be a quota's.
+fn validate_place(
+    table: &KeyPath,
+    netns: &Option<String>,
+    container: &Option<String>,
+    why_not_all: &str,
+) -> Result<(), Invalid> {
+    let key = |k: &str| table.clone().key(k);
+    if netns.is_some() && container.is_some() {
+        return Err(invalid(
+            key("container"),
+            "set netns or container, not both (a container names its network namespace)",
+        ));
+    }
+    if let Some(n) = netns {
+        let problem = if n.is_empty() {
+            Some("must not be empty".to_string())
+        } else if n == "all" {
+            Some(format!("\"all\" is not one namespace: {why_not_all}"))
+        } else if n.contains('/') || n == "." || n == ".." || n.chars().any(char::is_whitespace) {
+            Some(format!(
+                "`{n}` is not a namespace name (as under /run/netns), an inode or \"host\""
+            ))
+        } else if n
+            .parse::<u64>()
+            .is_ok_and(|i| i == 0 || i > u64::from(u32::MAX))
+        {
+            Some(format!("`{n}` is not a namespace inode"))
+        } else {
+            None
+        };
+        if let Some(problem) = problem {
+            return Err(invalid(key("netns"), problem));
+        }
+    }
+    if let Some(c) = container {
+        if c.len() < 4 || c.len() > 64 || !c.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(invalid(
+                key("container"),
+                format!("`{c}` is not a container id prefix (4 to 64 hex digits)"),
+            ));
+        }
     }
     Ok(())
 }
@@ -199,16 +253,26 @@ fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
 fn validate_selector(entry: &KeyPath, p: &PolicyConfig) -> Result<(), Invalid> {
     let select = entry.clone().key("select");
     let s = &p.select;
+    validate_place(
+        &select,
+        &s.netns,
+        &s.container,
+        "a policy without netns applies in every namespace",
+    )?;
+    // A container or a namespace other than the host's is as specific as a unit.
     if s.comm.is_none()
         && s.pid.is_none()
         && s.unit.is_none()
         && s.local_port.is_none()
         && s.peer_port.is_none()
         && s.peer.is_none()
+        && s.container.is_none()
+        && s.netns.as_deref().is_none_or(|n| n == "host")
     {
         return Err(invalid(
             select,
-            "selects nothing specific: name at least one of comm, pid, unit, local_port, peer_port, peer",
+            "selects nothing specific: name at least one of comm, pid, unit, local_port, \
+             peer_port, peer, container, netns (other than \"host\")",
         ));
     }
     if s.states.contains(&TcpState::Listen) {

@@ -11,15 +11,16 @@ use super::{
 use crate::{
     config::QuotaConfig,
     present::{human, round_secs},
-    quota::{static_sockets, QuotaEntry, QuotaStatus},
+    quota::{static_sockets, QuotaEntry, QuotaStatus, Scope},
     table::{Direction, Socket, TcpState},
 };
 
-/// The connections carrying a quota entry's streams: for HTTP sources the sockets accepted on
-/// the (mapped) port, else the ones dialled to it; for static sources the process's sockets to
-/// the peer.
+/// The connections carrying a quota entry's streams, in the quota's namespace (`scope`): for
+/// HTTP sources the sockets accepted on the (mapped) port, else the ones dialled to it; for
+/// static sources the process's sockets to the peer.
 fn connections<'a>(
     cfg: &'a QuotaConfig,
+    scope: &Scope<'_>,
     entry: &QuotaEntry,
     table: &'a [Socket],
 ) -> Vec<&'a Socket> {
@@ -27,7 +28,9 @@ fn connections<'a>(
         return static_sockets(cfg, table).collect();
     }
     let port = cfg.socket_port(entry.port);
-    let live = |s: &&Socket| !matches!(s.state, TcpState::Listen | TcpState::TimeWait);
+    let live = |s: &&Socket| {
+        !matches!(s.state, TcpState::Listen | TcpState::TimeWait) && scope.contains(s)
+    };
     let inbound: Vec<&Socket> = table
         .iter()
         .filter(live)
@@ -65,11 +68,12 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
         let Some(qcfg) = input.quota_cfgs.iter().find(|q| q.name == status.name) else {
             continue;
         };
+        let scope = Scope::of(qcfg, input.table);
         for entry in &status.entries {
             if !saturated(entry) {
                 continue;
             }
-            let conns = connections(qcfg, entry, input.table);
+            let conns = connections(qcfg, &scope, entry, input.table);
             let quiet = |s: &Socket| {
                 s.state == TcpState::CloseWait || s.idle.is_some_and(|i| i >= cfg.quota_idle_min)
             };
@@ -94,7 +98,7 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
             let feeders = upstream::owners(&up, quiet);
             let procs = processes(ends.iter().copied().chain(up.hops.iter().map(|h| h.origin)));
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
-            let mut summary = summary(status, qcfg, entry, &conns, &idle, &other_end, cfg);
+            let mut summary = summary(qcfg, &scope, entry, &conns, &idle, &other_end, cfg);
             if !feeders.is_empty() {
                 summary.push_str(&format!("; {}", upstream::describe(&feeders)));
             }
@@ -158,8 +162,8 @@ fn upstream_of<'a>(
 /// The finding's summary: the quota reading, how many of its connections are idle, who holds
 /// both ends, and the verdict.
 fn summary(
-    status: &QuotaStatus,
     qcfg: &QuotaConfig,
+    scope: &Scope<'_>,
     entry: &QuotaEntry,
     conns: &[&Socket],
     idle: &[&Socket],
@@ -167,15 +171,24 @@ fn summary(
     cfg: &crate::config::DetectConfig,
 ) -> String {
     let socket_port = qcfg.socket_port(entry.port);
+    // Where the ports are, unless in connreap's own namespace.
+    let place = scope
+        .describe()
+        .map(|p| format!(" {p}"))
+        .unwrap_or_default();
     let mut summary = format!(
-        "{} quota on port {} at {}/{}",
-        status.name, entry.port, entry.used, entry.limit
+        "{} quota on port {}{place} at {}/{}",
+        qcfg.name, entry.port, entry.used, entry.limit
     );
     if socket_port != entry.port {
         summary.push_str(&format!(" (connections on local port {socket_port})"));
     }
     if conns.is_empty() {
-        summary.push_str("; no matching connections on this host");
+        summary.push_str(if place.is_empty() {
+            "; no matching connections on this host"
+        } else {
+            "; no matching connections there"
+        });
         return summary;
     }
     summary.push_str(&format!(
@@ -415,6 +428,118 @@ limit = 4
                 .contains("4 of 4 connections idle or CLOSE_WAIT"),
             "{}",
             f[0].summary
+        );
+    }
+
+    /// `n` relay connections in namespace `ns` (client ports from `first`), by `pid` (node)
+    /// and `pid + 1` (relay).
+    fn relay_in(ns: u32, n: u16, first: u16, pid: u32) -> Vec<Socket> {
+        (0..n)
+            .flat_map(|i| {
+                let cl = format!("127.0.0.1:{}", first + i);
+                let c = sock(pid, "node", &cl, "127.0.0.1:25001", TcpState::Established);
+                let s = sock(
+                    pid + 1,
+                    "relay",
+                    "127.0.0.1:25001",
+                    &cl,
+                    TcpState::Established,
+                );
+                [c, s].map(|s| crate::quota::placed(s, ns, None))
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_quota_counts_only_the_connections_of_its_namespace() {
+        let mut t = relay_in(1, 64, 40000, 10);
+        t.extend(relay_in(2, 10, 41000, 30));
+        let blue = |netns: &str| {
+            let mut c = cfgs();
+            c[0].netns = Some(netns.into());
+            c
+        };
+        let f = run(&t, 10, 10, &blue("blue"));
+        assert_eq!(f[0].count, 10);
+        assert!(
+            f[0].summary.starts_with(
+                "relay quota on port 21000 in netns blue at 10/10 (connections on local port 25001); \
+                 10 of 10 connections idle for ≥ 1m00s; held by node pid 30 ↔ relay pid 31"
+            ),
+            "{}",
+            f[0].summary
+        );
+        assert_eq!(run(&t, 10, 10, &blue("2"))[0].count, 10);
+        // Without netns: connreap's own namespace only, said nothing about.
+        let f = run(&t, 64, 64, &cfgs());
+        assert_eq!(f[0].count, 64);
+        assert!(f[0]
+            .summary
+            .starts_with("relay quota on port 21000 at 64/64"));
+        assert!(f[0].summary.contains("node pid 10 ↔ relay pid 11"));
+        // A namespace with none of its connections.
+        let f = run(&t, 10, 10, &blue("red"));
+        assert_eq!(f[0].count, 0);
+        assert!(
+            f[0].summary.contains("in netns red at 10/10 (connections on local port 25001); no matching connections there"),
+            "{}",
+            f[0].summary
+        );
+    }
+
+    #[test]
+    fn a_container_quota_counts_its_namespace() {
+        let id = "3f2a".repeat(16);
+        let mut t = relay_in(1, 8, 40000, 10);
+        // The relay runs in the container; its clients in another container of the same pod.
+        t.extend(relay_in(5, 6, 41000, 30).into_iter().map(|s| {
+            let c = (s.comm() == "relay").then_some(id.as_str());
+            crate::quota::placed(s, 5, c)
+        }));
+        let mut c = cfgs();
+        c[0].container = Some("3f2a3f".into());
+        let f = run(&t, 6, 6, &c);
+        assert_eq!(f[0].count, 6);
+        assert!(
+            f[0].summary.starts_with(
+                "relay quota on port 21000 in the netns of container 3f2a3f (5) at 6/6"
+            ),
+            "{}",
+            f[0].summary
+        );
+        assert!(
+            f[0].summary.contains("node pid 30 ↔ relay pid 31"),
+            "{}",
+            f[0].summary
+        );
+    }
+
+    #[test]
+    fn static_sources_count_in_their_namespace() {
+        let mut c = cfgs();
+        let java = |ns: u32, i: u16| {
+            let s = sock(
+                7,
+                "java",
+                &format!("10.0.0.5:{}", 40000 + i),
+                "10.0.16.36:80",
+                TcpState::CloseWait,
+            );
+            crate::quota::placed(s, ns, None)
+        };
+        let t: Vec<Socket> = (0..3)
+            .map(|i| java(1, i))
+            .chain((0..2).map(|i| java(2, i)))
+            .collect();
+        let now = chrono::Utc::now();
+        assert_eq!(
+            crate::quota::static_status(&c[1], &t, now).entries[0].used,
+            3
+        );
+        c[1].netns = Some("blue".into());
+        assert_eq!(
+            crate::quota::static_status(&c[1], &t, now).entries[0].used,
+            2
         );
     }
 

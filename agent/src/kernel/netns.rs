@@ -164,7 +164,130 @@ fn add(found: &mut Vec<Namespace>, inode: u32, name: Option<String>, path: PathB
     }
 }
 
+/// Why the namespace a quota names could not be found (it makes the source unavailable).
+#[derive(Debug, thiserror::Error)]
+pub enum FindError {
+    #[error("network namespace `{0}` not found")]
+    NoNetns(String),
+    #[error("no running process of container `{0}` found, so no network namespace to poll in")]
+    NoContainer(String),
+    #[error("container id prefix `{prefix}` is ambiguous: it starts {}", ids.join(", "))]
+    Ambiguous { prefix: String, ids: Vec<String> },
+    #[error(transparent)]
+    Netns(#[from] NetnsError),
+}
+
+/// The namespace `wanted` names: "host" (connreap's own), a name under `/run/netns` or
+/// `/run/docker/netns`, or an inode (of a namespace a process lives in or a name refers to).
+pub fn find(wanted: &str) -> Result<Namespace, FindError> {
+    let is_name = wanted != "host" && wanted.parse::<u32>().is_err();
+    if is_name && !wanted.contains('/') {
+        // Names only come from these directories: no need to walk /proc.
+        for dir in NAMED_DIRS {
+            let path = std::path::Path::new(dir).join(wanted);
+            if let Ok(m) = fs::metadata(&path) {
+                let inode = m.ino() as u32;
+                return Ok(Namespace {
+                    inode,
+                    name: Some(wanted.to_string()),
+                    own: inode == current_inode()?,
+                    path,
+                });
+            }
+        }
+        return Err(FindError::NoNetns(wanted.to_string()));
+    }
+    let spaces = if wanted == "host" {
+        // Only the own namespace can match: no need to walk /proc.
+        vec![Namespace {
+            inode: current_inode()?,
+            name: None,
+            own: true,
+            path: PathBuf::from("/proc/thread-self/ns/net"),
+        }]
+    } else {
+        discover()?
+    };
+    spaces
+        .into_iter()
+        .find(|n| n.is(wanted))
+        .ok_or_else(|| FindError::NoNetns(wanted.to_string()))
+}
+
+/// The namespace of the container whose id starts with `prefix` (lowercase hex), through
+/// `/proc/<pid>/ns/net` of one of its processes; also that pid. `hint` (the pid found last
+/// time) is tried first: while it still runs in such a container, /proc is not walked. A
+/// walk finding processes of two containers with that prefix is an error, never a guess.
+pub fn of_container(prefix: &str, hint: Option<u32>) -> Result<(Namespace, u32), FindError> {
+    let in_container = |pid: u32| {
+        let c = crate::containers::from_cgroup(&crate::kernel::procfs::cgroup(pid)?)?;
+        c.id.starts_with(prefix).then_some((c.id, pid))
+    };
+    let pid = match hint.and_then(in_container) {
+        Some((_, pid)) => pid,
+        None => {
+            let pids = fs::read_dir("/proc").map(|d| {
+                d.flatten()
+                    .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+                    .collect::<Vec<u32>>()
+            });
+            pick_container(
+                prefix,
+                pids.unwrap_or_default()
+                    .into_iter()
+                    .filter_map(in_container),
+            )?
+        }
+    };
+    let path = PathBuf::from(format!("/proc/{pid}/ns/net"));
+    let inode = fs::metadata(&path)
+        .map_err(|_| FindError::NoContainer(prefix.to_string()))?
+        .ino() as u32;
+    let ns = Namespace {
+        inode,
+        name: None,
+        own: inode == current_inode()?,
+        path,
+    };
+    Ok((ns, pid))
+}
+
+/// The lowest pid among `(container id, pid)` of the containers matching `prefix`, unless
+/// they are more than one container.
+fn pick_container(
+    prefix: &str,
+    found: impl Iterator<Item = (String, u32)>,
+) -> Result<u32, FindError> {
+    let mut ids: Vec<String> = Vec::new();
+    let mut lowest: Option<u32> = None;
+    for (id, pid) in found {
+        if !ids.contains(&id) {
+            ids.push(id);
+        }
+        lowest = Some(lowest.map_or(pid, |l| l.min(pid)));
+    }
+    match (ids.len(), lowest) {
+        (1, Some(pid)) => Ok(pid),
+        (0, _) | (_, None) => Err(FindError::NoContainer(prefix.to_string())),
+        _ => {
+            ids.sort();
+            Err(FindError::Ambiguous {
+                prefix: prefix.to_string(),
+                ids,
+            })
+        }
+    }
+}
+
 impl Namespace {
+    /// Whether `wanted` (a name, an inode or "host") names this namespace, as
+    /// `table::Netns::matches` reads it (less "all").
+    pub fn is(&self, wanted: &str) -> bool {
+        (wanted == "host" && self.own)
+            || self.name.as_deref() == Some(wanted)
+            || wanted.parse::<u32>().is_ok_and(|i| i == self.inode)
+    }
+
     /// The namespace of a file.
     #[cfg(test)]
     pub fn at(path: &std::path::Path) -> Result<Namespace, NetnsError> {
@@ -344,6 +467,54 @@ mod tests {
         assert!(err.is_gone(), "{err:?}");
         let visited = visit(std::slice::from_ref(&ns), |_| panic!("not entered"));
         assert!(visited[0].1.is_gone());
+    }
+
+    #[test]
+    fn namespaces_are_found_by_name_inode_or_host() {
+        let ns = |inode, name: Option<&str>, own| Namespace {
+            inode,
+            name: name.map(String::from),
+            own,
+            path: "/x".into(),
+        };
+        let blue = ns(7, Some("blue"), false);
+        assert!(blue.is("blue") && blue.is("7"));
+        assert!(!blue.is("host") && !blue.is("all") && !blue.is("8") && !blue.is("red"));
+        let own = ns(9, None, true);
+        assert!(own.is("host") && own.is("9"));
+        // The real host: "host" is found without walking /proc; unknown names are errors.
+        let host = find("host").unwrap();
+        assert!(host.own);
+        assert_eq!(find(&host.inode.to_string()).unwrap().inode, host.inode);
+        let e = find("connreap-no-such-netns").unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "network namespace `connreap-no-such-netns` not found"
+        );
+    }
+
+    #[test]
+    fn a_container_prefix_names_one_container() {
+        let a = || "ab".repeat(32);
+        let b = || format!("abcd{}", "0".repeat(60));
+        let found = |list: Vec<(String, u32)>| pick_container("ab", list.into_iter());
+        assert_eq!(found(vec![(a(), 30), (a(), 20)]).unwrap(), 20);
+        let e = found(vec![(a(), 30), (b(), 20)]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("container id prefix `ab` is ambiguous: it starts abab"),
+            "{e}"
+        );
+        assert!(e.contains(&b()), "{e}");
+        let e = found(vec![]).unwrap_err().to_string();
+        assert!(
+            e.starts_with("no running process of container `ab` found"),
+            "{e}"
+        );
+        // No container on this host has such an id.
+        assert!(matches!(
+            of_container("fedcba9876543210", None),
+            Err(FindError::NoContainer(_))
+        ));
     }
 
     #[test]

@@ -243,6 +243,39 @@ mod tests {
     }
 
     #[test]
+    fn lines_name_the_namespace_and_container() {
+        let dir = std::env::temp_dir().join(format!("connreap-audit-ns-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        let path = dir.join("audit.jsonl");
+        let id = "3f2a".repeat(16);
+        let mut d = decisions(2, Outcome::Killed);
+        let s = sock(
+            10,
+            "node",
+            "127.0.0.1:40000",
+            "127.0.0.1:25001",
+            TcpState::Established,
+        );
+        let s = crate::quota::placed(s, 2, Some(&id));
+        d[1].netns = s.netns.inode;
+        d[1].netns_name = s.netns.name.as_deref().map(String::from);
+        d[1].container = s.container_id().map(String::from);
+        let mut log = AuditLog::new(path.clone(), 0, 0);
+        log.append(&d, true).unwrap();
+        let text = fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines[0]["netns"], 0);
+        assert!(lines[0]["netns_name"].is_null() && lines[0].get("container").is_none());
+        assert_eq!(lines[1]["netns"], 2);
+        assert_eq!(lines[1]["netns_name"], "blue");
+        assert_eq!(lines[1]["container"], id.as_str());
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn rotates_by_size_keeping_n_files() {
         let dir = std::env::temp_dir().join(format!("connreap-audit-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);

@@ -172,7 +172,8 @@ impl Reclaimer {
                 }
             }
         };
-        let mut planned = plan(p, &cfg.reclaim, std::process::id(), table);
+        let quota_cfg = cfg.quota.iter().find(|q| Some(&q.name) == p.quota.as_ref());
+        let mut planned = plan(p, &cfg.reclaim, std::process::id(), table, quota_cfg);
         let mut decisions: Vec<Decision> = planned
             .skipped
             .iter()
@@ -363,8 +364,10 @@ impl Reclaimer {
                 }
             }
             for d in &fresh {
+                let netns = d.netns_name.clone().unwrap_or_else(|| d.netns.to_string());
                 tracing::info!(policy = %d.policy, mode = %d.mode, result = ?d.result, reason = d.reason.as_deref().unwrap_or(""),
-                    local = %d.local, peer = %d.peer, pid = ?d.pid, comm = %d.comm, "reclaim decision");
+                    local = %d.local, peer = %d.peer, pid = ?d.pid, comm = %d.comm, netns = %netns,
+                    container = d.container.as_deref().unwrap_or(""), "reclaim decision");
                 self.recent.push_back(d.clone());
             }
             while self.recent.len() > RECENT {

@@ -1,5 +1,10 @@
 //! Reclaim policies: which sockets a policy may close this round (pure), and the decisions
 //! that come out of a round. Execution (re-check, destroy, audit) lives in `exec`.
+//!
+//! Namespaces: a policy whose `select` names no `netns`/`container` applies in every network
+//! namespace; one that names one applies only there. A quota-saturated policy moreover only
+//! ever takes sockets of its quota's namespace (whatever its selector says): the quota was
+//! read there. `protect_ports` apply in every namespace.
 pub mod audit;
 pub mod exec;
 pub mod kill;
@@ -9,9 +14,9 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::{
-    config::{PolicyConfig, PolicyMode, ReclaimConfig, Selector, Trigger},
+    config::{PolicyConfig, PolicyMode, QuotaConfig, ReclaimConfig, Selector, Trigger},
     detect::QuotaRef,
-    quota::QuotaStatus,
+    quota::{QuotaStatus, Scope},
     table::{canon, Socket, TcpState},
 };
 
@@ -21,7 +26,9 @@ pub const DEFAULT_STATES: [TcpState; 2] = [TcpState::Established, TcpState::Clos
 /// Does the socket match the policy's selectors (not its thresholds)? A socket with no owner
 /// (a connection still in a listener's accept queue, or one whose owner was not found) matches
 /// only a selector that says `unowned = true`, which config validation allows only with a
-/// port: `comm = "?"` (how such sockets are shown) alone never selects them.
+/// port: `comm = "?"` (how such sockets are shown) alone never selects them. `netns` is the
+/// socket's namespace (a name, an inode or "host"); `container` a prefix of its owner's
+/// container id (so an unowned socket never matches it).
 pub fn selected(sel: &Selector, s: &Socket) -> bool {
     let states: &[TcpState] = if sel.states.is_empty() {
         &DEFAULT_STATES
@@ -41,6 +48,11 @@ pub fn selected(sel: &Selector, s: &Socket) -> bool {
         && sel.local_port.is_none_or(|p| p == s.local.port())
         && sel.peer_port.is_none_or(|p| p == s.peer.port())
         && sel.peer.is_none_or(|p| canon(p) == canon(s.peer))
+        && sel.netns.as_deref().is_none_or(|n| s.netns.matches(n))
+        && sel
+            .container
+            .as_deref()
+            .is_none_or(|c| s.container_id().is_some_and(|id| id.starts_with(c)))
 }
 
 /// Idle and age thresholds. Unknown ages count as their lower bound (never over-estimated).
@@ -116,18 +128,22 @@ pub struct Plan<'a> {
     pub skipped: Vec<(&'a Socket, String)>,
 }
 
+/// `quota` is the policy's quota (when it names one): a quota-saturated policy plans only in
+/// that quota's namespace (connreap's own if the quota names none).
 pub fn plan<'a>(
     p: &PolicyConfig,
     rc: &ReclaimConfig,
     own_pid: u32,
     table: &'a [Socket],
+    quota: Option<&QuotaConfig>,
 ) -> Plan<'a> {
+    let scope = (p.trigger == Trigger::QuotaSaturated)
+        .then(|| Scope::at(quota.and_then(QuotaConfig::place), table));
     let mut targets = Vec::new();
     let mut skipped = Vec::new();
-    for s in table
-        .iter()
-        .filter(|s| selected(&p.select, s) && old_enough(p, s))
-    {
+    for s in table.iter().filter(|s| {
+        selected(&p.select, s) && old_enough(p, s) && scope.as_ref().is_none_or(|q| q.contains(s))
+    }) {
         match protected(rc, own_pid, s) {
             Some(why) => skipped.push((s, why)),
             None => targets.push(s),
@@ -181,6 +197,12 @@ pub struct Decision {
     pub pid: Option<u32>,
     pub comm: String,
     pub unit: Option<String>,
+    /// The socket's network namespace: its inode, and its name when it has one.
+    pub netns: u32,
+    pub netns_name: Option<String>,
+    /// The full id of the container its owner runs in, when it runs in one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
     pub state: TcpState,
     pub age_secs: f64,
     pub age_exact: bool,
@@ -213,6 +235,9 @@ pub fn decision(
         pid: s.pid(),
         comm: s.comm().to_string(),
         unit: s.unit(),
+        netns: s.netns.inode,
+        netns_name: s.netns.name.as_deref().map(String::from),
+        container: s.container_id().map(String::from),
         state: s.state,
         age_secs: crate::present::round_secs(s.age),
         age_exact: s.age_exact,
@@ -280,183 +305,4 @@ impl Serialize for Mode {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::time::Duration;
-
-    use super::*;
-    use crate::{config::parse, detect::testutil::sock, quota::QuotaEntry};
-
-    fn policy(extra: &str) -> (PolicyConfig, ReclaimConfig) {
-        let text = format!(
-            r#"[reclaim]
-protect_ports = [22]
-[[quota]]
-name = "relay"
-url = "http://127.0.0.1:20080/status"
-items = "/endpoints"
-port_field = "port"
-used_field = "streams"
-limit_field = "maxStreams"
-[[policy]]
-name = "relay-leaks"
-mode = "enforce"
-quota = "relay"
-{extra}"#
-        );
-        let mut c = parse(&text, "t").unwrap();
-        (c.policy.remove(0), c.reclaim)
-    }
-
-    fn node_socks(n: u16) -> Vec<Socket> {
-        (0..n)
-            .map(|i| {
-                let mut s = sock(
-                    10,
-                    "node",
-                    &format!("127.0.0.1:{}", 40000 + i),
-                    "127.0.0.1:25001",
-                    TcpState::Established,
-                );
-                s.age = Duration::from_secs(100 + i as u64);
-                s
-            })
-            .collect()
-    }
-
-    #[test]
-    fn oldest_first_capped_and_thresholded() {
-        let (p, rc) = policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\", peer_port = 25001, states = [\"ESTABLISHED\"] }\nmin_idle = \"10s\"\nmax_per_round = 8\n");
-        let mut t = node_socks(20);
-        t[19].idle = Some(Duration::from_secs(2)); // the oldest is busy: never selected
-        t.push(sock(
-            11,
-            "other",
-            "127.0.0.1:41000",
-            "127.0.0.1:25001",
-            TcpState::Established,
-        ));
-        let plan = plan(&p, &rc, 999, &t);
-        assert_eq!(plan.targets.len(), 8);
-        let ports: Vec<u16> = plan.targets.iter().map(|s| s.local.port()).collect();
-        assert_eq!(ports, (40011..=40018).rev().collect::<Vec<_>>());
-        assert!(plan.skipped.is_empty());
-    }
-
-    #[test]
-    fn protected_listen_and_own_sockets_are_skipped() {
-        let (p, rc) = policy("trigger = \"always\"\nselect = { peer_port = 22 }\n");
-        let t = vec![sock(
-            10,
-            "ssh",
-            "127.0.0.1:40000",
-            "127.0.0.1:22",
-            TcpState::Established,
-        )];
-        let pl = plan(&p, &rc, 999, &t);
-        assert!(pl.targets.is_empty());
-        assert!(pl.skipped[0].1.contains("protect_ports"));
-        let (p, rc) = policy("trigger = \"always\"\nselect = { peer_port = 25001 }\n");
-        let t = node_socks(1);
-        let pl = plan(&p, &rc, 10, &t);
-        assert_eq!(pl.skipped[0].1, "connreap's own socket");
-    }
-
-    #[test]
-    fn quota_trigger_arms_only_when_saturated_and_fresh() {
-        let (p, _) = policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\" }\n");
-        let mut q = QuotaStatus {
-            name: "relay".into(),
-            source: "http",
-            url: None,
-            last_poll: Some(chrono::Utc::now()),
-            entries: vec![QuotaEntry {
-                port: 21000,
-                used: 64,
-                limit: 64,
-            }],
-            error: None,
-        };
-        assert_eq!(
-            armed(&p, std::slice::from_ref(&q), 0.9)
-                .unwrap()
-                .unwrap()
-                .used,
-            64
-        );
-        q.entries[0].used = 56;
-        assert!(armed(&p, std::slice::from_ref(&q), 0.9)
-            .unwrap_err()
-            .contains("below saturation"));
-        q.entries[0].used = 64;
-        q.error = Some("HTTP 500".into());
-        assert!(armed(&p, std::slice::from_ref(&q), 0.9)
-            .unwrap_err()
-            .contains("stale"));
-    }
-
-    #[test]
-    fn selectors_cover_every_key() {
-        let s = sock(
-            10,
-            "java",
-            "[::ffff:10.0.0.5]:40000",
-            "[::ffff:10.0.16.36]:80",
-            TcpState::CloseWait,
-        );
-        let sel = |f: &dyn Fn(&mut Selector)| {
-            let mut x = Selector::default();
-            f(&mut x);
-            selected(&x, &s)
-        };
-        assert!(sel(&|x| x.peer = Some("10.0.16.36:80".parse().unwrap())));
-        assert!(!sel(&|x| x.peer = Some("10.0.16.37:80".parse().unwrap())));
-        assert!(sel(&|x| x.pid = Some(10)));
-        assert!(!sel(&|x| x.local_port = Some(1)));
-        assert!(!sel(&|x| x.states = vec![TcpState::Established]));
-        assert!(!sel(&|x| x.unit = Some("a.service".into())));
-    }
-
-    #[test]
-    fn unowned_sockets_need_unowned_and_a_port() {
-        // A connection in a listener's accept queue: nobody holds it yet.
-        let mut s = sock(
-            10,
-            "x",
-            "127.0.0.1:7500",
-            "127.0.0.1:40000",
-            TcpState::Established,
-        );
-        s.owner = None;
-        assert_eq!(s.comm(), "?");
-        let sel = |f: &dyn Fn(&mut Selector)| {
-            let mut x = Selector::default();
-            f(&mut x);
-            selected(&x, &s)
-        };
-        assert!(!sel(&|x| x.comm = Some("?".into())));
-        assert!(!sel(&|x| x.local_port = Some(7500)));
-        assert!(!sel(&|x| x.peer = Some("127.0.0.1:40000".parse().unwrap())));
-        assert!(!sel(&|x| {
-            x.comm = Some("?".into());
-            x.unowned = true;
-        }));
-        assert!(sel(&|x| {
-            x.local_port = Some(7500);
-            x.unowned = true;
-        }));
-        assert!(sel(&|x| {
-            x.comm = Some("?".into());
-            x.peer_port = Some(40000);
-            x.unowned = true;
-        }));
-        assert!(!sel(&|x| {
-            x.local_port = Some(7501);
-            x.unowned = true;
-        }));
-        // And a policy that reads `comm = "?"` plans nothing on it.
-        let (p, rc) = policy("trigger = \"always\"\nselect = { comm = \"?\" }\n");
-        let t = vec![s.clone()];
-        let pl = plan(&p, &rc, 999, &t);
-        assert!(pl.targets.is_empty() && pl.skipped.is_empty());
-    }
-}
+mod tests;

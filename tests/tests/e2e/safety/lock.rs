@@ -32,14 +32,23 @@ fn cli_refuses(ns: &NetNs, config: &Path, holder: u32) {
     assert!(out.stdout.is_empty(), "decided anything: {out:?}");
 }
 
+/// The pool policy, scoped to `ns`: both daemons see every namespace of the host, and a policy
+/// without a namespace selector applies in all of them; here each reclaims only its own leak.
+fn policy_in(ns: &NetNs) -> String {
+    pool_policy("pool-leak", "enforce", PORT, "").replace(
+        "states = [\"CLOSE_WAIT\"] }",
+        &format!("states = [\"CLOSE_WAIT\"], netns = \"{}\" }}", ns.name()),
+    )
+}
+
 #[test]
 fn one_reclaimer_per_host_a_second_daemon_dry_runs_and_the_cli_refuses() {
     let Some(_env) = require_privileges() else {
         return;
     };
-    let policy = pool_policy("pool-leak", "enforce", PORT, "");
     // The first daemon takes the lock at its first enforce round and kills its leak.
     let ns_a = NetNs::new("sf-lock-a");
+    let policy = policy_in(&ns_a);
     let dir_a = TempDir::new("sf-lock-a");
     let (client_a, _) = pool(&ns_a, PORT, 3);
     let mut first = Agent::start(
@@ -62,7 +71,7 @@ fn one_reclaimer_per_host_a_second_daemon_dry_runs_and_the_cli_refuses() {
     let config_b = Config::new(&dir_b)
         .protect_ports(&[22])
         .token_file(&token)
-        .policy(&policy);
+        .policy(&policy_in(&ns_b));
     let second = Agent::start(&ns_b, &dir_b, &config_b);
     second.wait_scans(3);
     assert_eq!(
