@@ -212,11 +212,17 @@ impl Finding {
         self.fingerprint.push_str(&scope::ns_part(netns));
         self.summary
             .push_str(&scope::summary_part(netns, container));
+        self.place(netns, container);
+        self
+    }
+
+    /// Only the fields of [`Finding::scoped`], for findings whose identity and summary already
+    /// say where they are (a quota is named, and its summary names its namespace).
+    pub fn place(&mut self, netns: &Netns, container: Option<&Container>) {
         self.netns = netns.inode;
         self.netns_name = netns.name.as_deref().map(String::from);
         self.netns_own = netns.own;
         self.container = container.cloned();
-        self
     }
 
     /// The namespace as labels name it: its name, "host" for connreap's own, else its inode.

@@ -125,6 +125,11 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 let hops = oldest_briefs(up.hops.iter().flat_map(|h| [h.accepted, h.origin]));
                 f.sockets.extend(hops.into_iter().take(MAX_SOCKETS / 2));
             }
+            // Where the quota's connections are: its namespace, and the container of the
+            // process holding its side of them (the relay's).
+            if let Some(s) = conns.first() {
+                f.place(&s.netns, s.container());
+            }
             f.upstream = feeders;
             f.verdict = Some(verdict);
             f.verdict_known_in_secs = known_in.map(round_secs);

@@ -434,11 +434,16 @@ mod tests {
     }
 
     /// The chain inside one namespace is followed as on the host; a proxy whose end of the hop
-    /// is in another namespace (same addresses, another connection) feeds nothing.
+    /// is in another namespace (same addresses, another connection) feeds nothing. (The quota
+    /// names no namespace: its sockets are those of connreap's own, `a` here.)
     #[test]
     fn the_hop_is_followed_inside_one_namespace_only() {
         use crate::detect::scope_testutil::{netns, place};
-        let (a, b) = (netns(51, Some("a")), netns(52, Some("b")));
+        let a = Arc::new(crate::table::Netns {
+            own: true,
+            ..(*netns(51, Some("a"))).clone()
+        });
+        let b = netns(52, Some("b"));
         let inside: Vec<Socket> = chain(64, 1, 360, 360)
             .into_iter()
             .map(|s| place(s, &a, None))
