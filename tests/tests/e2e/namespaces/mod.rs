@@ -61,12 +61,12 @@ fn netns_inode_of(pid: u32) -> u64 {
         .unwrap_or_else(|| panic!("/proc/{pid}/ns/net -> {text}: not net:[INODE]"))
 }
 
-/// A pod: its network namespace, its container's cgroup and the server that leaks in both.
-/// Dropping it kills the server, removes the cgroup, then deletes the namespace (fields drop
-/// in this order).
+/// A pod: its network namespace, its container's cgroup and the server that leaks in both
+/// (or a bare namespace with no container). Dropping it kills the server, removes the cgroup,
+/// then deletes the namespace (fields drop in this order).
 struct Pod {
     server: Child,
-    container: FakeContainer,
+    cgroup: Option<FakeContainer>,
     ns: NetNs,
     /// The namespace's inode, read from the server's /proc/PID/ns/net.
     inode: u64,
@@ -76,25 +76,46 @@ impl Pod {
     /// A namespace `tag`, `container`'s cgroup and `connreap-testpeer listen` on [`PORT`] in
     /// both, holding whatever it accepts.
     fn start(tag: &str, container: FakeContainer) -> Pod {
+        Pod::spawn(tag, Some(container))
+    }
+
+    /// [`Pod::start`] without a container: a bare namespace, as `ip netns add` makes one.
+    fn bare(tag: &str) -> Pod {
+        Pod::spawn(tag, None)
+    }
+
+    fn spawn(tag: &str, cgroup: Option<FakeContainer>) -> Pod {
         let ns = NetNs::new(tag);
-        let mut cmd = container.command(&ns, program(TESTPEER));
+        let mut cmd = match &cgroup {
+            Some(c) => c.command(&ns, program(TESTPEER)),
+            None => ns.command(program(TESTPEER)),
+        };
         cmd.args(["listen", "--addr", &format!("127.0.0.1:{PORT}")]);
         let mut server = Child::spawn(&mut cmd, &format!("{TESTPEER} listen in {}", ns.name()));
         server.wait_ready(READY_TIMEOUT);
         let inode = netns_inode_of(server.pid());
-        assert!(
-            container.pids().contains(&server.pid()),
-            "the server (pid {}) is not in its container's cgroup {}: {:?}",
-            server.pid(),
-            container.cgroup(),
-            std::fs::read_to_string(format!("/proc/{}/cgroup", server.pid()))
-        );
+        if let Some(c) = &cgroup {
+            assert!(
+                c.pids().contains(&server.pid()),
+                "the server (pid {}) is not in its container's cgroup {}: {:?}",
+                server.pid(),
+                c.cgroup(),
+                std::fs::read_to_string(format!("/proc/{}/cgroup", server.pid()))
+            );
+        }
         Pod {
             server,
-            container,
+            cgroup,
             ns,
             inode,
         }
+    }
+
+    /// The pod's container; panics for a bare namespace.
+    fn container(&self) -> &FakeContainer {
+        self.cgroup
+            .as_ref()
+            .unwrap_or_else(|| panic!("{} has no container", self.name()))
     }
 
     fn pid(&self) -> u32 {
@@ -148,12 +169,14 @@ impl Pod {
 
     /// Who this pod is, for failure messages.
     fn describe(&self) -> String {
+        let container = match &self.cgroup {
+            Some(c) => format!("{} container {}", c.runtime, c.short()),
+            None => "no container".to_string(),
+        };
         format!(
-            "pod {} (netns inode {}, {} container {}, pid {})",
+            "pod {} (netns inode {}, {container}, pid {})",
             self.name(),
             self.inode,
-            self.container.runtime,
-            self.container.short(),
             self.pid()
         )
     }
@@ -235,7 +258,7 @@ fn assert_names_pod(b: &Value, pod: &Pod, container: bool, what: &str) {
     if !container {
         return;
     }
-    let c = &pod.container;
+    let c = pod.container();
     assert_eq!(
         (&b["container"], &b["container_runtime"]),
         (&json!(c.id), &json!(c.runtime)),

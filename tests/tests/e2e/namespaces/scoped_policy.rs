@@ -34,7 +34,7 @@ mode = "enforce"
 trigger = "always"
 select = {{ container = "{}", comm = "{PEER_COMM}", local_port = {PORT}, states = ["CLOSE_WAIT"] }}
 "#,
-        a.container.short()
+        a.container().short()
     );
     let dir = TempDir::new("ns-scope");
     let hook = host_receiver();
@@ -58,7 +58,7 @@ select = {{ container = "{}", comm = "{PEER_COMM}", local_port = {PORT}, states 
         b_before,
         "{}: the policy scoped to {} touched another container's sockets\n{}",
         b.describe(),
-        a.container.short(),
+        a.container().short(),
         agent.ctx()
     );
     // A's server lives on, and its listener still accepts.
@@ -87,7 +87,7 @@ select = {{ container = "{}", comm = "{PEER_COMM}", local_port = {PORT}, states 
         assert_names_pod(d, &a, false, "audit line");
         assert_eq!(
             d["container"],
-            json!(a.container.id),
+            json!(a.container().id),
             "audit lines name the container (issue 17 part (b)): {d}"
         );
     }
@@ -95,7 +95,7 @@ select = {{ container = "{}", comm = "{PEER_COMM}", local_port = {PORT}, states 
         assert!(
             d["pid"] != json!(b.pid())
                 && d["netns"] != json!(b.inode)
-                && d["container"] != json!(b.container.id),
+                && d["container"] != json!(b.container().id),
             "a decision about {}: {d}",
             b.describe()
         );

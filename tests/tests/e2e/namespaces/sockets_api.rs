@@ -33,7 +33,7 @@ fn assert_only(rows: &[Value], pod: &Pod, query: &str) {
     for r in rows {
         assert_eq!(r["netns"], pod.inode, "?{query} let in {r}");
         assert_eq!(r["netns_name"], pod.name(), "?{query}: {r}");
-        assert_eq!(r["container"], pod.container.id.as_str(), "?{query}: {r}");
+        assert_eq!(r["container"], pod.container().id.as_str(), "?{query}: {r}");
         assert_eq!(r["pid"], pod.pid(), "?{query}: {r}");
     }
 }
@@ -60,17 +60,21 @@ fn sockets_api_filters_by_netns_and_container() {
     assert_only(&rows(&agent, &q), &a, &q);
     let q = format!("netns={}", b.inode);
     assert_only(&rows(&agent, &q), &b, &q);
-    let q = format!("container={}", b.container.short());
+    let q = format!("container={}", b.container().short());
     assert_only(&rows(&agent, &q), &b, &q);
-    let q = format!("netns={}&container={}", a.name(), &a.container.id[..8]);
+    let q = format!("netns={}&container={}", a.name(), &a.container().id[..8]);
     assert_only(&rows(&agent, &q), &a, &q);
     // Both pods at once, by either filter: the two namespaces' sockets on the same port.
     let q = format!("netns={},{}", a.name(), b.name());
     assert_eq!(rows(&agent, &q).len(), 2 * (LEAKED + 1), "?{q}");
-    let q = format!("container={},{}", a.container.short(), b.container.short());
+    let q = format!(
+        "container={},{}",
+        a.container().short(),
+        b.container().short()
+    );
     assert_eq!(rows(&agent, &q).len(), 2 * (LEAKED + 1), "?{q}");
     // A's namespace holds no socket of B's container; the host's none of either pod's.
-    let q = format!("netns={}&container={}", a.name(), b.container.short());
+    let q = format!("netns={}&container={}", a.name(), b.container().short());
     assert!(rows(&agent, &q).is_empty(), "?{q}");
     let host = rows(&agent, "netns=host");
     assert!(
@@ -79,7 +83,7 @@ fn sockets_api_filters_by_netns_and_container() {
         "?netns=host let in a pod's sockets: {host:#?}"
     );
     // A container prefix too short to mean anything is refused, not matched.
-    let (code, body) = agent.get(&format!("/v1/sockets?container={}", &a.container.id[..3]));
+    let (code, body) = agent.get(&format!("/v1/sockets?container={}", &a.container().id[..3]));
     assert_eq!(code, 400, "{body}");
     agent.assert_healthy();
 }

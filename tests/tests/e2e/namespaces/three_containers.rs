@@ -95,7 +95,7 @@ fn assert_snapshot_rows(pods: &[Pod]) {
             assert_eq!((r.local_port(), r.service_port), (PORT, PORT), "{ctx}");
             assert_eq!(r.netns, Some(pod.inode), "{ctx}");
             assert_eq!(r.netns_name.as_deref(), Some(pod.name()), "{ctx}");
-            let c = &pod.container;
+            let c = pod.container();
             assert_eq!(r.container.as_deref(), Some(c.id.as_str()), "{ctx}");
             assert_eq!(r.container_runtime.as_deref(), Some(c.runtime), "{ctx}");
             match &c.pod {
@@ -148,7 +148,7 @@ fn assert_snapshot_filters(pods: &[Pod]) {
     let by_inode = snapshot_in_host(&["--port", &port, "--netns", &inode]);
     assert_eq!(pod_pids(&by_inode, pods), [pods[0].pid()], "{by_inode:#}");
 
-    let c = &pods[2].container;
+    let c = pods[2].container();
     let by_container = snapshot_in_host(&["--port", &port, "--container", c.short()]);
     for r in sockets(&by_container) {
         assert_eq!(
@@ -169,10 +169,50 @@ fn assert_snapshot_filters(pods: &[Pod]) {
         "--netns",
         pods[0].name(),
         "--container",
-        pods[1].container.short(),
+        pods[1].container().short(),
     ]);
     assert!(
         sockets(&none).is_empty(),
         "pod 0's namespace holds no socket of pod 1's container:\n{none:#}"
     );
+}
+
+/// Without containers nothing but the namespace tells two pods apart (same program, same
+/// port, same cgroup): still two findings, each naming its namespace and pid, and no container.
+#[test]
+fn bare_namespaces_same_port_are_two_findings() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let pods = [Pod::bare("bare-a"), Pod::bare("bare-b")];
+    for pod in &pods {
+        pod.leak(LEAKED);
+    }
+    let dir = TempDir::new("ns-bare");
+    let hook = host_receiver();
+    let mut agent = Agent::start_in_host(&dir, &host_config(&dir, &hook));
+    let mut fingerprints = std::collections::BTreeSet::new();
+    for pod in &pods {
+        let b = wait_close_wait_alert(&hook, &agent, pod, "firing");
+        assert_eq!(
+            (&b["count"], &b["service_port"]),
+            (&serde_json::json!(LEAKED), &serde_json::json!(PORT)),
+            "{} alone holds {LEAKED} CLOSE_WAIT on {PORT} in its namespace: {b:#}",
+            pod.describe()
+        );
+        assert_eq!(
+            b["processes"].as_array().map(Vec::len),
+            Some(1),
+            "only {}'s server: {b:#}",
+            pod.describe()
+        );
+        assert_names_pod(&b, pod, false, "close_wait_buildup alert");
+        assert!(
+            b.get("container").is_none_or(Value::is_null),
+            "no container here: {b:#}"
+        );
+        fingerprints.insert(b["fingerprint"].as_str().unwrap_or_default().to_string());
+    }
+    assert_eq!(fingerprints.len(), 2, "{fingerprints:?}");
+    agent.assert_healthy();
 }
