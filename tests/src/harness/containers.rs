@@ -31,7 +31,8 @@ fn is_cgroup2(path: &Path) -> bool {
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: statfs(2) on a NUL-terminated path, writing into a struct we own.
     let rc = unsafe { libc::statfs(c.as_ptr(), &mut st) };
-    rc == 0 && i64::from(st.f_type) == CGROUP2_MAGIC
+    // `f_type` is a `long` on 64-bit targets (the only ones connreap supports).
+    rc == 0 && st.f_type == CGROUP2_MAGIC
 }
 
 /// Where the cgroup v2 hierarchy is mounted: `/sys/fs/cgroup` (unified hosts) or
