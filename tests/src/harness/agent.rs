@@ -14,17 +14,19 @@ use serde_json::Value;
 use super::{
     audit::read_audit,
     config::{Config, TempDir},
-    consts::{AGENT_START, API, HTTP, POLL, SCAN},
+    consts::{AGENT_START, HTTP, POLL, SCAN},
     metrics::Metrics,
     netns::NetNs,
-    process::{wait_until, Child},
+    process::{connreap_bin, wait_until, Child},
 };
-use crate::fixtures::{get_json_in_netns, http_get_in_netns, http_request_ns};
+use crate::fixtures::http_request_ns;
 
-/// `connreap run --config FILE` inside a namespace; killed when dropped.
+/// `connreap run --config FILE` inside a test's namespace (or the host's, see
+/// [`Agent::start_in_host`]); killed when dropped.
 pub struct Agent {
     child: Child,
-    ns: String,
+    /// The namespace it runs in; `None`: the host's (this test process's).
+    ns: Option<String>,
     api: SocketAddr,
     audit: PathBuf,
 }
@@ -45,14 +47,37 @@ impl Agent {
         config: &Config,
         setup: impl FnOnce(&mut Command),
     ) -> Agent {
+        Agent::launch(Some(ns), dir, config, setup)
+    }
+
+    /// [`Agent::start`] in the host's network namespace (this test process's), as connreap
+    /// runs in production next to containers. Give the config a free port with
+    /// [`Config::listen`]: [`super::API`] may be taken there.
+    pub fn start_in_host(dir: &TempDir, config: &Config) -> Agent {
+        Agent::launch(None, dir, config, |_| {})
+    }
+
+    fn launch(
+        ns: Option<&NetNs>,
+        dir: &TempDir,
+        config: &Config,
+        setup: impl FnOnce(&mut Command),
+    ) -> Agent {
         let path = dir.write("connreap.toml", &config.to_string());
-        let mut cmd = ns.connreap(["run", "--config"]);
+        let mut cmd = match ns {
+            Some(ns) => ns.connreap(["run", "--config"]),
+            None => {
+                let mut c = Command::new(connreap_bin());
+                c.args(["run", "--config"]);
+                c
+            }
+        };
         cmd.arg(&path);
         setup(&mut cmd);
         let mut agent = Agent {
             child: Child::spawn(&mut cmd, "connreap run"),
-            ns: ns.name().to_string(),
-            api: API.parse().expect("API is a socket address"),
+            ns: ns.map(|n| n.name().to_string()),
+            api: config.api(),
             audit: config.audit().to_path_buf(),
         };
         let up = wait_until(AGENT_START, POLL, || {
@@ -121,7 +146,14 @@ impl Agent {
 
     /// `GET path` with a JSON answer: (status, body).
     pub fn try_get(&self, path: &str) -> std::io::Result<(u16, Value)> {
-        get_json_in_netns(&self.ns, self.api, path, HTTP)
+        let r = http_request_ns(self.ns.as_deref(), self.api, "GET", path, &[], &[], HTTP)?;
+        let v = r.json().map_err(|e| {
+            std::io::Error::new(
+                ErrorKind::InvalidData,
+                format!("status {} body is not JSON ({e}): {:?}", r.status, r.text()),
+            )
+        })?;
+        Ok((r.status, v))
     }
 
     /// [`Agent::try_get`], panicking (with the agent's stderr) when the request fails.
@@ -176,8 +208,17 @@ impl Agent {
 
     /// `GET /metrics`, which must answer 200 with a well-formed exposition.
     pub fn metrics(&self) -> Metrics {
-        let (code, text) = http_get_in_netns(&self.ns, self.api, "/metrics", HTTP)
-            .unwrap_or_else(|e| panic!("GET /metrics failed: {e}"));
+        let r = http_request_ns(
+            self.ns.as_deref(),
+            self.api,
+            "GET",
+            "/metrics",
+            &[],
+            &[],
+            HTTP,
+        )
+        .unwrap_or_else(|e| panic!("GET /metrics failed: {e}"));
+        let (code, text) = (r.status, r.text());
         assert_eq!(code, 200, "/metrics: {text}");
         Metrics::parse(&text).unwrap_or_else(|e| panic!("/metrics: {e}\n{text}"))
     }
@@ -195,7 +236,7 @@ impl Agent {
             headers.push(("Authorization", a.as_str()));
         }
         let r = http_request_ns(
-            Some(&self.ns),
+            self.ns.as_deref(),
             self.api,
             "POST",
             "/v1/reclaim",

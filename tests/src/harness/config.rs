@@ -2,6 +2,7 @@
 
 use std::{
     fmt, fs,
+    net::SocketAddr,
     path::{Path, PathBuf},
     sync::atomic::{AtomicUsize, Ordering},
     thread,
@@ -58,6 +59,10 @@ pub struct RelayQuota {
     timeout: Option<String>,
     /// `port_map = { "TARGET" = LOCAL }`: the relay's connections for TARGET use local port LOCAL.
     port_map: Option<(u16, u16)>,
+    /// `netns = "NAME"`: the namespace the quota's ports (and a loopback URL) live in.
+    netns: Option<String>,
+    /// `container = "ID-PREFIX"`: the same, named by a container of that namespace.
+    container: Option<String>,
 }
 
 impl RelayQuota {
@@ -68,6 +73,8 @@ impl RelayQuota {
             poll_interval: "1s".to_string(),
             timeout: None,
             port_map: None,
+            netns: None,
+            container: None,
         }
     }
 
@@ -90,6 +97,18 @@ impl RelayQuota {
         self.port_map = Some((target, local));
         self
     }
+
+    /// `netns = "NAME"` (a name, an inode or `host`).
+    pub fn netns(mut self, netns: &str) -> RelayQuota {
+        self.netns = Some(netns.to_string());
+        self
+    }
+
+    /// `container = "ID-PREFIX"`.
+    pub fn container(mut self, prefix: &str) -> RelayQuota {
+        self.container = Some(prefix.to_string());
+        self
+    }
 }
 
 impl fmt::Display for RelayQuota {
@@ -107,6 +126,12 @@ impl fmt::Display for RelayQuota {
         }
         if let Some((target, local)) = self.port_map {
             writeln!(f, "port_map = {{ \"{target}\" = {local} }}")?;
+        }
+        if let Some(ns) = &self.netns {
+            writeln!(f, "netns = \"{ns}\"")?;
+        }
+        if let Some(c) = &self.container {
+            writeln!(f, "container = \"{c}\"")?;
         }
         Ok(())
     }
@@ -133,6 +158,8 @@ max_per_round = 8
 #[derive(Debug, Clone)]
 pub struct Config {
     audit: PathBuf,
+    /// `agent.listen` when not [`API`].
+    listen: Option<String>,
     scan_interval: String,
     host: Option<String>,
     log_format: Option<String>,
@@ -153,6 +180,7 @@ impl Config {
     pub fn new(dir: &TempDir) -> Config {
         Config {
             audit: dir.path("audit.jsonl"),
+            listen: None,
             scan_interval: "1s".to_string(),
             host: None,
             log_format: None,
@@ -172,10 +200,15 @@ impl Config {
     /// What the alerting tests run: `host` [`HOST`], fast webhook retries (2 s max backoff, 2 s
     /// timeout) and one JSON webhook to `http://HOOK/alerts`.
     pub fn alerting(dir: &TempDir) -> Config {
+        Config::alerting_to(dir, &format!("http://{HOOK}/alerts"))
+    }
+
+    /// [`Config::alerting`] with its JSON webhook at `url`.
+    pub fn alerting_to(dir: &TempDir, url: &str) -> Config {
         let mut c = Config::new(dir);
         c.host = Some(HOST.to_string());
         c.fast_alerts = true;
-        c.webhooks.push(format!("http://{HOOK}/alerts"));
+        c.webhooks.push(url.to_string());
         c
     }
 
@@ -184,6 +217,22 @@ impl Config {
         Config::new(dir)
             .protect_ports(&[22])
             .quota(RelayQuota::relay())
+    }
+
+    /// `agent.listen` (default [`API`]): an agent in the host's namespace, where other
+    /// programs may hold that port, listens on a free one.
+    pub fn listen(mut self, addr: SocketAddr) -> Config {
+        self.listen = Some(addr.to_string());
+        self
+    }
+
+    /// The agent's API address (`agent.listen`).
+    pub fn api(&self) -> SocketAddr {
+        self.listen
+            .as_deref()
+            .unwrap_or(API)
+            .parse()
+            .expect("agent.listen is a socket address")
     }
 
     /// The audit log (`reclaim.audit_log`).
@@ -275,7 +324,8 @@ impl fmt::Display for Config {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(
             f,
-            "[agent]\nlisten = \"{API}\"\nscan_interval = \"{}\"",
+            "[agent]\nlisten = \"{}\"\nscan_interval = \"{}\"",
+            self.api(),
             self.scan_interval
         )?;
         if let Some(host) = &self.host {

@@ -21,6 +21,7 @@ pub mod audit;
 mod chain;
 mod config;
 mod consts;
+pub mod containers;
 mod metrics;
 mod netns;
 mod privileges;
@@ -38,7 +39,7 @@ pub use privileges::{require_privileges, Privileged};
 pub use process::{
     alive, connreap_bin, peer, program, run, spawn_ready, wait_until, Child, Output, Ready,
 };
-pub use snapshot::{snapshot, sockets, summary, GroupRow, SocketRow};
+pub use snapshot::{snapshot, snapshot_in_host, sockets, summary, GroupRow, SocketRow};
 pub use tmpfs::Tmpfs;
 
 /// `s` as a socket address; panics if it is not one.

@@ -3,11 +3,27 @@
 use serde::Deserialize;
 use serde_json::Value;
 
-use super::{consts::CONNREAP_TIMEOUT, netns::NetNs, process::run};
+use std::process::Command;
+
+use super::{
+    consts::CONNREAP_TIMEOUT,
+    netns::NetNs,
+    process::{connreap_bin, run},
+};
 
 /// `connreap snapshot --json ARGS` inside `ns`, parsed. Panics (with stderr) when it fails.
 pub fn snapshot(ns: &NetNs, args: &[&str]) -> Value {
-    let mut cmd = ns.connreap(["snapshot", "--json"]);
+    snapshot_with(ns.connreap(["snapshot", "--json"]), args)
+}
+
+/// [`snapshot`] in the host's network namespace (this test process's).
+pub fn snapshot_in_host(args: &[&str]) -> Value {
+    let mut cmd = Command::new(connreap_bin());
+    cmd.args(["snapshot", "--json"]);
+    snapshot_with(cmd, args)
+}
+
+fn snapshot_with(mut cmd: Command, args: &[&str]) -> Value {
     cmd.args(args);
     let out = run(&mut cmd, CONNREAP_TIMEOUT);
     assert!(
@@ -50,6 +66,23 @@ pub struct SocketRow {
     pub uid: u32,
     pub direction: String,
     pub service_port: u16,
+    /// The network namespace's inode (absent from connreaps before issue 17).
+    #[serde(default)]
+    pub netns: Option<u64>,
+    /// Its name under /run/netns or /run/docker/netns, if any.
+    #[serde(default)]
+    pub netns_name: Option<String>,
+    /// The owner's container id, when it runs in one.
+    #[serde(default)]
+    pub container: Option<String>,
+    #[serde(default)]
+    pub container_runtime: Option<String>,
+    #[serde(default)]
+    pub pod_uid: Option<String>,
+    #[serde(default)]
+    pub pod_name: Option<String>,
+    #[serde(default)]
+    pub pod_namespace: Option<String>,
 }
 
 impl SocketRow {

@@ -16,6 +16,10 @@
 //!   removed or foreign) and what connreap does about them.
 //! - `alerting`: the real Prometheus (Debian's package) scraping the agent with the shipped
 //!   rules.
+//! - `namespaces`: issue 17, the daemon in the host's namespace covering pods it did not start:
+//!   namespaces and cgroups named like containers', the same port in each (attribution,
+//!   filters, one finding per pod, a quota polled inside a namespace, policies scoped to a
+//!   container, namespaces that vanish).
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
 //!   `netns_variants`).
 //!
@@ -26,6 +30,7 @@ mod alerting;
 mod daemon;
 mod detect;
 mod fixtures_selftest;
+mod namespaces;
 mod reclaim;
 mod safety;
 mod snapshot;
