@@ -84,6 +84,7 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
     let filter = filter.parse()?;
     let t0 = std::time::Instant::now();
     let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
+    scanner.only(filter.netns.clone());
     let loaded = t0.elapsed();
     let table = scanner.scan_parallel()?;
     let scanned = t0.elapsed();

@@ -47,6 +47,8 @@ pub struct Scanner {
     /// The namespaces of the last scan, for acting inside one (see `kernel::netns::run_in`).
     pub namespaces: Vec<Namespace>,
     pub namespace_report: NamespaceReport,
+    /// Dump only these namespaces (names, inodes, "host"); empty: every one.
+    only: Vec<String>,
     host: table::HostInfo,
     first_seen: FirstSeen,
     /// Unit and container of each pid holding sockets (read once per process).
@@ -69,11 +71,20 @@ impl Scanner {
             kernel,
             namespaces: Vec::new(),
             namespace_report: NamespaceReport::default(),
+            only: Vec::new(),
             first_seen: FirstSeen::default(),
             facts: HashMap::new(),
             pods: PodNames::new("/"),
             last_len: 0,
         }
+    }
+
+    /// Dump only the namespaces `wanted` names (a name, an inode, "host"), not every one: a
+    /// one-shot snapshot of one namespace costs what it did when connreap saw only its own (each
+    /// namespace's dump walks the kernel's host-wide TCP table). A name that matches nothing
+    /// fails the scan, naming it.
+    pub fn only(&mut self, wanted: Vec<String>) {
+        self.only = wanted;
     }
 
     /// One scan, the owner dump after the socket dump (so a socket seen has had the time to
@@ -98,8 +109,19 @@ impl Scanner {
             procfs::monotonic_ns(),
         );
         let mut holders = Holders::default();
-        // Every namespace, rediscovered on each scan: pods come and go.
-        let spaces = netns::discover().map_err(KernelError::Netns)?;
+        // Every namespace (or those asked for), rediscovered on each scan: pods come and go.
+        let spaces = if self.only.is_empty() {
+            netns::discover().map_err(KernelError::Netns)?
+        } else {
+            let mut spaces: Vec<Namespace> = Vec::new();
+            for wanted in &self.only {
+                let ns = netns::find(wanted).map_err(KernelError::FindNetns)?;
+                if !spaces.iter().any(|n| n.inode == ns.inode) {
+                    spaces.push(ns);
+                }
+            }
+            spaces
+        };
         let discovered = start.elapsed();
         let on_socket = |e: NsEvent<'_>| match e {
             NsEvent::Enter(ns) => b.begin_namespace(

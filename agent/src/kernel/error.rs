@@ -77,6 +77,8 @@ pub enum KernelError {
     },
     #[error("cannot list the host's network namespaces")]
     Netns(#[source] super::netns::NetnsError),
+    #[error(transparent)]
+    FindNetns(super::netns::FindError),
     #[error("BPF map {0} missing from the object")]
     MissingMap(&'static str),
     #[error("BPF map {name} cannot be used")]

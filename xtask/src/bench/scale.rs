@@ -190,9 +190,13 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// The snapshot of the holders' namespace alone (`--netns host`: the namespace it runs in),
+/// the single-namespace figure: a snapshot of every namespace also dumps the host's, whose
+/// dump walks the holders' sockets again (the kernel's TCP table is shared by all namespaces);
+/// measure 7 has the every-namespace figures.
 fn snapshot_cmd(h: &NsHandle) -> Command {
     let mut c = h.command(agent::bin());
-    c.args(["snapshot", "--json"]);
+    c.args(["snapshot", "--json", "--netns", "host"]);
     c
 }
 
@@ -201,7 +205,7 @@ fn profile_line(ctx: &Ctx, h: &NsHandle, tag: &str, place: &str) -> String {
     let bin = agent::bin().display().to_string();
     match profile::command(
         h.command("perf"),
-        &[&bin, "snapshot", "--json"],
+        &[&bin, "snapshot", "--json", "--netns", "host"],
         &ctx.dir,
         tag,
     ) {
