@@ -179,17 +179,7 @@ mod tests {
 
     /// Serves `body` to one request.
     async fn serve_once(body: &'static str) -> String {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let url = format!("http://{}/status", listener.local_addr().unwrap());
-        tokio::spawn(async move {
-            let (mut s, _) = listener.accept().await.unwrap();
-            let mut req = [0u8; 1024];
-            let _ = s.read(&mut req).await;
-            let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {}\r\n\r\n", body.len());
-            let _ = s.write_all(format!("{head}{body}").as_bytes()).await;
-        });
-        url
+        crate::quota::tests::serve_once(body.into(), false).await
     }
 
     async fn poll(cfg: &QuotaConfig) -> QuotaStatus {

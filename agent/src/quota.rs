@@ -392,7 +392,7 @@ pub fn failed(
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
 
     fn relay_cfg() -> QuotaConfig {
@@ -535,7 +535,7 @@ limit_field = "maxStreams"
     }
 
     /// Serves one response with `body`, announced by Content-Length or chunked.
-    async fn serve_once(body: Vec<u8>, chunked: bool) -> String {
+    pub(crate) async fn serve_once(body: Vec<u8>, chunked: bool) -> String {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!("http://{}/status", listener.local_addr().unwrap());
