@@ -44,6 +44,7 @@ pub mod names {
     pub const PROG_STATE: &str = "connreap_set_state";
     pub const PROG_ITER_TCP: &str = "connreap_iter_tcp";
     pub const PROG_ITER_FILES: &str = "connreap_iter_task_file";
+    pub const PROG_ITER_NETNS_SOCKS: &str = "connreap_iter_netns_socks";
     pub const DESTROY_MAP: &str = "CONNREAP_DESTROY";
     pub const PROG_ITER_DESTROY: &str = "connreap_iter_destroy";
     pub const STAGING: &str = "CONNREAP_STAGING";
@@ -153,6 +154,14 @@ pub struct KernelOffsets {
     pub socket_type: u32,
     pub socket_ops: u32,
     pub ops_family: u32,
+    // A socket's network namespace against the reader's (the `iter/task_file` socket dump of
+    // the other namespaces): `sock_common.skc_net.net`, `net.ns.inum`, `task_struct.nsproxy`,
+    // `nsproxy.net_ns`, and the owner's uid (`sock.sk_uid`), which iter/tcp gets in its context.
+    pub skc_net: u32,
+    pub net_ns_inum: u32,
+    pub task_nsproxy: u32,
+    pub nsproxy_net_ns: u32,
+    pub sk_uid: u32,
 }
 
 impl KernelOffsets {
@@ -192,6 +201,11 @@ impl KernelOffsets {
             socket_type: 0,
             socket_ops: 0,
             ops_family: 0,
+            skc_net: 0,
+            net_ns_inum: 0,
+            task_nsproxy: 0,
+            nsproxy_net_ns: 0,
+            sk_uid: 0,
         }
     }
 }
@@ -370,6 +384,19 @@ pub struct OwnerRecord {
     pub comm: [u8; 16],
 }
 
+/// One socket of a network namespace other than the reader's, from the `iter/task_file` dump
+/// of sockets held by a process (`connreap_iter_netns_socks`): the socket's record as iter/tcp
+/// would give it, and its namespace's inode. One record per file holding it (a socket shared by
+/// several descriptors comes once per descriptor).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct NsSockRecord {
+    pub sock: SockRecord,
+    /// The namespace's inode (`net.ns.inum`, what `/proc/<pid>/ns/net` names).
+    pub netns: u32,
+    pub _pad: u32,
+}
+
 #[cfg(feature = "user")]
 mod pod {
     /// `aya::Pod` for shared types.
@@ -388,6 +415,7 @@ mod pod {
         TransitionEvent,
         SockRecord,
         OwnerRecord,
+        NsSockRecord,
         DestroyRequest,
         EventBatch
     );
@@ -402,5 +430,6 @@ const _: () = assert!(EVENT_BATCH.is_power_of_two());
 const _: () = assert!(STATE_WAYS.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 48) * STATE_WAYS);
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
+const _: () = assert!(core::mem::size_of::<NsSockRecord>() == 112);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
-const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 33 * 4);
+const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 38 * 4);

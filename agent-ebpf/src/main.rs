@@ -7,6 +7,8 @@
 #[cfg(target_arch = "bpf")]
 mod destroy;
 #[cfg(target_arch = "bpf")]
+mod netns_socks;
+#[cfg(target_arch = "bpf")]
 mod programs;
 // The bench-only `hash` tracker keeps its own map: the table's writers are unused there.
 #[cfg(target_arch = "bpf")]

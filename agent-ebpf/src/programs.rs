@@ -106,18 +106,25 @@ pub fn connreap_iter_tcp(ctx: *mut c_void) -> i32 {
 
 /// What only a full socket has (zero for mini sockets).
 #[derive(Default)]
-struct FullSock {
-    flags: u8,
-    inode: u64,
-    queues: (u32, u32),
+pub(crate) struct FullSock {
+    pub(crate) flags: u8,
+    pub(crate) inode: u64,
+    pub(crate) queues: (u32, u32),
     /// Jiffies since the last data received, sent, and ACK received.
-    idle: [u32; 3],
-    state_age_jiffies: u64,
+    pub(crate) idle: [u32; 3],
+    pub(crate) state_age_jiffies: u64,
 }
 
-/// Fields of a full TCP socket: direct loads through the helper's tcp_sock view.
+/// Fields of a full TCP socket: direct loads of struct sock's, and `tcp` reading the u32
+/// fields of tcp_sock and inet_connection_sock (a direct load through the helper's trusted
+/// tcp_sock view in iter/tcp, a checked read where the pointer is typed only as struct sock).
 #[inline(always)]
-fn full_sock(sk_number: u64, tp: *const u8, state: u8) -> FullSock {
+pub(crate) fn full_sock(
+    sk_number: u64,
+    tp: *const u8,
+    state: u8,
+    tcp: impl Fn(*const u8, u64) -> u32,
+) -> FullSock {
     let socket: u64 = sk_field(tp, off!(sk_socket));
     // struct socket's inode lies outside struct socket: a checked read.
     let inode = if socket != 0 {
@@ -131,10 +138,10 @@ fn full_sock(sk_number: u64, tp: *const u8, state: u8) -> FullSock {
             sk_field(tp, off!(sk_max_ack_backlog)),
         )
     } else {
-        let rcv_nxt: u32 = sk_field(tp, off!(tcp_rcv_nxt));
-        let copied: u32 = sk_field(tp, off!(tcp_copied_seq));
-        let write_seq: u32 = sk_field(tp, off!(tcp_write_seq));
-        let snd_una: u32 = sk_field(tp, off!(tcp_snd_una));
+        let rcv_nxt: u32 = tcp(tp, off!(tcp_rcv_nxt));
+        let copied: u32 = tcp(tp, off!(tcp_copied_seq));
+        let write_seq: u32 = tcp(tp, off!(tcp_write_seq));
+        let snd_una: u32 = tcp(tp, off!(tcp_snd_una));
         (
             rcv_nxt.wrapping_sub(copied),
             write_seq.wrapping_sub(snd_una),
@@ -144,9 +151,9 @@ fn full_sock(sk_number: u64, tp: *const u8, state: u8) -> FullSock {
     let now_j = unsafe { bpf_jiffies64() };
     let now32 = now_j as u32;
     let idle = [
-        now32.wrapping_sub(sk_field(tp, off!(icsk_lrcvtime))),
-        now32.wrapping_sub(sk_field(tp, off!(tcp_lsndtime))),
-        now32.wrapping_sub(sk_field(tp, off!(tcp_rcv_tstamp))),
+        now32.wrapping_sub(tcp(tp, off!(icsk_lrcvtime))),
+        now32.wrapping_sub(tcp(tp, off!(tcp_lsndtime))),
+        now32.wrapping_sub(tcp(tp, off!(tcp_rcv_tstamp))),
     ];
     // SO_KEEPALIVE: one bit of sk_flags (the bit number is a verifier constant too).
     let sk_flags: u64 = sk_field(tp, off!(sk_flags));
@@ -250,7 +257,9 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     } else {
         // The socket's address as a number for the state table (see state.rs): the context's
         // pointer field read through a probe read is a plain value to the verifier.
-        full_sock(read::<u64>(ctx as u64 + 8), tp, state)
+        full_sock(read::<u64>(ctx as u64 + 8), tp, state, |p, o| {
+            sk_field(p, o)
+        })
     };
     let rec = SockRecord {
         skaddr: sk,
@@ -321,26 +330,9 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
     if socket.is_null() {
         return Ok(());
     }
-    // Direct BTF-checked loads, as in the tracker: a TCP socket is a stream socket of the inet
-    // families, read from struct socket (the line that holds socket->sk) and its proto_ops
-    // (static, cached), not from the struct sock, which would cost a cache miss per socket.
-    // MPTCP and SCTP stream sockets pass too; they match no row of the TCP dump.
-    let kind: u16 = sk_field(socket, off!(socket_type));
-    if kind != SOCK_STREAM {
+    let Some(sk) = inet_stream_sk(socket) else {
         return Ok(());
-    }
-    let ops: *const u8 = sk_field(socket, off!(socket_ops));
-    if ops.is_null() {
-        return Ok(());
-    }
-    let family: i32 = sk_field(ops, off!(ops_family));
-    if family != AF_INET as i32 && family != AF_INET6 as i32 {
-        return Ok(());
-    }
-    let sk: u64 = sk_field(socket, off!(socket_sk));
-    if sk == 0 {
-        return Ok(());
-    }
+    };
     // SAFETY: meta points at struct bpf_iter_meta whose first member is the seq_file.
     let seq = unsafe { *(meta as *const u64) };
     let t = task as *const u8;
@@ -362,6 +354,30 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
         return Err(ret);
     }
     Ok(())
+}
+
+/// The struct sock of a file's socket if it is a TCP candidate, else None.
+///
+/// Direct BTF-checked loads, as in the tracker: a TCP socket is a stream socket of the inet
+/// families, read from struct socket (the line that holds socket->sk) and its proto_ops
+/// (static, cached), not from the struct sock, which would cost a cache miss per socket.
+/// MPTCP and SCTP stream sockets pass too; they match no row of the TCP dump.
+#[inline(always)]
+pub(crate) fn inet_stream_sk(socket: *const u8) -> Option<u64> {
+    let kind: u16 = sk_field(socket, off!(socket_type));
+    if kind != SOCK_STREAM {
+        return None;
+    }
+    let ops: *const u8 = sk_field(socket, off!(socket_ops));
+    if ops.is_null() {
+        return None;
+    }
+    let family: i32 = sk_field(ops, off!(ops_family));
+    if family != AF_INET as i32 && family != AF_INET6 as i32 {
+        return None;
+    }
+    let sk: u64 = sk_field(socket, off!(socket_sk));
+    (sk != 0).then_some(sk)
 }
 
 #[cfg(not(test))]

@@ -77,6 +77,12 @@ pub struct AgentConfig {
     /// How often the socket table is rebuilt and the detectors run.
     #[serde(with = "humantime_serde")]
     pub scan_interval: Duration,
+    /// How often each network namespace other than connreap's own is walked whole; between
+    /// walks, its sockets held by a process are read on every scan in one pass over all
+    /// processes, and those no process holds (TIME_WAIT, SYN_RECV, orphans, not yet accepted)
+    /// are carried from its last walk. 0s: every namespace on every scan.
+    #[serde(with = "humantime_serde")]
+    pub netns_walk_interval: Duration,
     /// Host name reported in alerts; empty means the kernel's host name.
     pub host: String,
     /// Log lines on stderr: "text" or "json" (`--log-format` overrides).
@@ -89,6 +95,10 @@ impl Default for AgentConfig {
             // Loopback only: the API exposes socket owners; put a proxy in front to share it.
             listen: SocketAddr::from(([127, 0, 0, 1], 9477)),
             scan_interval: Duration::from_secs(5),
+            // A walk per namespace costs a pass over every socket of the host (one TCP hash
+            // for all namespaces): at 100 namespaces, walking each on every scan cost 1.27 s
+            // of CPU per scan (BENCHMARKS.md, measure 7). TIME_WAIT lasts 60 s.
+            netns_walk_interval: Duration::from_secs(60),
             host: String::new(),
             log_format: crate::logging::LogFormat::Text,
         }

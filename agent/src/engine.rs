@@ -67,8 +67,13 @@ impl Core {
     /// `role` ("daemon", "cli") names this process in the host's reclaim lock.
     pub fn new(cfg: Config, kernel: Kernel, verbose: bool, role: &'static str) -> Core {
         let reclaimer = Reclaimer::new(&cfg, &kernel, verbose, role);
+        let mut scanner = Scanner::new(kernel);
+        scanner.walk_every(crate::scan::walk_every(
+            cfg.agent.netns_walk_interval,
+            cfg.agent.scan_interval,
+        ));
         Core {
-            scanner: Scanner::new(kernel),
+            scanner,
             reclaimer,
             cfg,
         }

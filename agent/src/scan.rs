@@ -1,5 +1,8 @@
-//! One scan: run both iterators and merge them into the socket table. The kernel and /proc are
+//! One scan: run the iterators and merge them into the socket table. The kernel and /proc are
 //! reached only through `kernel` (the dumps, `kernel::procfs`); this module only drives them.
+//! Which namespaces a scan walks whole, and what it carries between walks, is in `walk`.
+mod walk;
+
 use std::{
     collections::{HashMap, HashSet},
     sync::Arc,
@@ -9,11 +12,15 @@ use std::{
 use crate::{
     containers::{self, PodNames},
     kernel::{
+        self,
         netns::{self, Namespace},
         procfs, Kernel, KernelError, NsEvent,
     },
     table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
+use connreap_ebpf::SockRecord;
+pub use walk::every as walk_every;
+use walk::{Walked, Walks};
 
 /// A process's unit and container, from one read of its cgroup file.
 fn process_facts(pid: u32, pods: &mut PodNames) -> ProcessFacts {
@@ -35,6 +42,10 @@ fn process_facts(pid: u32, pods: &mut PodNames) -> ProcessFacts {
 pub struct NamespaceReport {
     /// Namespaces dumped.
     pub scanned: usize,
+    /// Of those, namespaces walked whole (iter/tcp inside them) by this scan; the others'
+    /// rows are their sockets held by a process, read now, and the rest carried from their
+    /// last walk (see `walk`).
+    pub walked: usize,
     /// Namespaces that went away between discovery and their dump (their sockets are gone).
     pub gone: usize,
     /// Namespaces that could not be entered or dumped, and why: their sockets are missing
@@ -56,6 +67,8 @@ pub struct Scanner {
     pods: PodNames,
     /// Size of the previous table, to size the next one.
     last_len: usize,
+    /// Which namespaces each scan walks (every one on every scan unless set otherwise).
+    walks: Walks,
 }
 
 impl Scanner {
@@ -76,7 +89,14 @@ impl Scanner {
             facts: HashMap::new(),
             pods: PodNames::new("/"),
             last_len: 0,
+            walks: Walks::new(1),
         }
+    }
+
+    /// Walk each namespace other than connreap's own once per `every` scans instead of on
+    /// every scan (see `walk`): for the daemon, whose scans repeat. One-shot scans walk all.
+    pub fn walk_every(&mut self, every: u64) {
+        self.walks = Walks::new(every);
     }
 
     /// Dump only the namespaces `wanted` names (a name, an inode, "host"), not every one: a
@@ -90,24 +110,27 @@ impl Scanner {
     /// One scan, the owner dump after the socket dump (so a socket seen has had the time to
     /// get its owner): what the daemon and reclaim decisions use.
     pub fn scan(&mut self) -> Result<Vec<Socket>, KernelError> {
-        self.scan_with(false)
+        self.scan_with(false, &[])
+    }
+
+    /// A scan that walks the namespaces `inodes` whatever their turn: the re-check before a
+    /// kill, which must not see a carried row of a socket gone since its namespace's last walk.
+    pub fn scan_walking(&mut self, inodes: &[u32]) -> Result<Vec<Socket>, KernelError> {
+        self.scan_with(false, inodes)
     }
 
     /// One scan with both dumps at once (see [`Kernel::for_each_both`]): for a one-shot
     /// snapshot, where the wall time is what a person waits for.
     pub fn scan_parallel(&mut self) -> Result<Vec<Socket>, KernelError> {
-        self.scan_with(true)
+        self.scan_with(true, &[])
     }
 
-    fn scan_with(&mut self, parallel: bool) -> Result<Vec<Socket>, KernelError> {
+    fn scan_with(&mut self, parallel: bool, forced: &[u32]) -> Result<Vec<Socket>, KernelError> {
         // Socket records become table rows as they are read.
         let start = Instant::now();
-        let mut b = TableBuilder::new(
-            &self.host,
-            &mut self.first_seen,
-            self.last_len,
-            procfs::monotonic_ns(),
-        );
+        let start_ns = procfs::monotonic_ns();
+        let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len, start_ns);
+        self.walks.scans += 1;
         let mut holders = Holders::default();
         // Every namespace (or those asked for), rediscovered on each scan: pods come and go.
         let spaces = if self.only.is_empty() {
@@ -123,25 +146,65 @@ impl Scanner {
             spaces
         };
         let discovered = start.elapsed();
+        // This scan walks its own namespace, the namespaces never walked or whose turn it is;
+        // the others ("between walks") come from the one dump of held sockets below.
+        let (to_walk, between): (Vec<Namespace>, Vec<Namespace>) = spaces
+            .iter()
+            .cloned()
+            .partition(|ns| ns.own || parallel || self.walks.due(ns.inode, forced));
+        // What each walked namespace leaves for the scans between its walks (not the own:
+        // walked on every scan, it needs nothing carried).
+        let mut walked: Vec<(u32, Option<Walked>)> = Vec::new();
         let on_socket = |e: NsEvent<'_>| match e {
-            NsEvent::Enter(ns) => b.begin_namespace(
-                Arc::new(Netns {
-                    inode: ns.inode,
-                    name: ns.name.as_deref().map(Box::from),
-                    own: ns.own,
-                }),
+            NsEvent::Enter(ns) => {
                 // Read on the thread inside the namespace: its own sysctl.
-                procfs::ephemeral_ports(),
-            ),
-            NsEvent::Socket(r) => b.push(&r),
+                let ephemeral = procfs::ephemeral_ports();
+                b.begin_namespace(netns_row(ns), ephemeral.clone());
+                walked.push((
+                    ns.inode,
+                    (!ns.own).then(|| Walked {
+                        ephemeral,
+                        at_ns: start_ns,
+                        unheld: Vec::new(),
+                    }),
+                ));
+            }
+            NsEvent::Socket(r) => {
+                if let Some((_, Some(w))) = walked.last_mut() {
+                    if walk::unheld(&r) {
+                        w.unheld.push(r);
+                    }
+                }
+                b.push(&r)
+            }
         };
-        let (all, owners) = if parallel {
-            self.kernel
-                .for_each_both(&spaces, on_socket, |o| holders.push(&o))?
+        let (mut all, owners, held) = if parallel {
+            let (sockets, owners) = self
+                .kernel
+                .for_each_both(&to_walk, on_socket, |o| holders.push(&o))?;
+            (sockets, owners, kernel::Dump::default())
         } else {
-            let sockets = self.kernel.for_each_socket(&spaces, on_socket)?;
-            (sockets, self.kernel.for_each_owner(|o| holders.push(&o))?)
+            let sockets = self.kernel.for_each_socket(&to_walk, on_socket)?;
+            let held = between_walks(
+                &mut self.kernel,
+                &self.walks,
+                &between,
+                &mut b,
+                start_ns,
+                self.host.hz,
+            )?;
+            let owners = self.kernel.for_each_owner(|o| holders.push(&o))?;
+            (sockets, owners, held)
         };
+        let walked_count = all.namespaces;
+        all.namespaces += between.len();
+        for (inode, w) in walked {
+            if let Some(w) = w {
+                self.walks.record(inode, w);
+            }
+        }
+        self.walks
+            .retain(|inode| spaces.iter().any(|n| n.inode == inode));
         for (inode, e) in &all.failed {
             tracing::warn!(
                 netns = inode,
@@ -151,6 +214,7 @@ impl Scanner {
         }
         self.namespace_report = NamespaceReport {
             scanned: all.namespaces,
+            walked: walked_count,
             gone: all.gone,
             failed: all
                 .failed
@@ -188,6 +252,7 @@ impl Scanner {
         let us = |d: Duration| d.as_micros() as u64;
         tracing::debug!(
             namespaces = all.namespaces,
+            walked = walked_count,
             discover_us = us(discovered),
             sockets = sockets.records,
             owner_records = owners.records,
@@ -195,10 +260,56 @@ impl Scanner {
             socket_dump_us = us(sockets.total),
             owner_dump_kernel_us = us(owners.in_kernel),
             owner_dump_us = us(owners.total),
+            held_elsewhere = held.records,
+            held_elsewhere_kernel_us = us(held.in_kernel),
+            held_elsewhere_us = us(held.total),
             dumps_us = us(dumps_done - start),
             merge_us = us(dumps_done.elapsed()),
             "scan"
         );
         Ok(table)
     }
+}
+
+/// The rows of the namespaces `between` their walks: one dump of the sockets processes hold
+/// outside connreap's namespace, grouped by namespace, plus what each one's last walk carries
+/// (see `walk::between_walks`). No dump when there are no such namespaces.
+fn between_walks(
+    kernel: &mut Kernel,
+    walks: &Walks,
+    between: &[Namespace],
+    b: &mut TableBuilder<'_>,
+    now_ns: u64,
+    hz: u32,
+) -> Result<kernel::Dump, KernelError> {
+    if between.is_empty() {
+        return Ok(kernel::Dump::default());
+    }
+    let mut held: HashMap<u32, Vec<SockRecord>> =
+        between.iter().map(|n| (n.inode, Vec::new())).collect();
+    let dump = kernel.for_each_held_elsewhere(|r| {
+        // Namespaces walked by this scan, and any not discovered, are not added here.
+        if let Some(v) = held.get_mut(&r.netns) {
+            v.push(r.sock);
+        }
+    })?;
+    for ns in between {
+        let last = walks.last(ns.inode);
+        b.begin_namespace(netns_row(ns), last.and_then(|w| w.ephemeral.clone()));
+        let rows =
+            walk::between_walks(held.remove(&ns.inode).unwrap_or_default(), last, now_ns, hz);
+        for r in &rows {
+            b.push(r);
+        }
+    }
+    Ok(dump)
+}
+
+/// A namespace as the table's rows name it.
+fn netns_row(ns: &Namespace) -> Arc<Netns> {
+    Arc::new(Netns {
+        inode: ns.inode,
+        name: ns.name.as_deref().map(Box::from),
+        own: ns.own,
+    })
 }

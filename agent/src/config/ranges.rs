@@ -35,6 +35,11 @@ pub(super) const SCAN_INTERVAL: Range<Duration> = Range {
     min: ms(100),
     max: secs(HOUR),
 };
+pub(super) const NETNS_WALK_INTERVAL: Range<Duration> = Range {
+    key: "agent.netns_walk_interval",
+    min: secs(0),
+    max: secs(HOUR),
+};
 pub(super) const CLOSE_WAIT_MIN_AGE: Range<Duration> = Range {
     key: "detect.close_wait_min_age",
     min: secs(0),
@@ -227,6 +232,7 @@ pub(super) fn all() -> Vec<(&'static str, String)> {
     }
     vec![
         d(&SCAN_INTERVAL),
+        d(&NETNS_WALK_INTERVAL),
         d(&CLOSE_WAIT_MIN_AGE),
         d(&CLOSE_WAIT_THRESHOLD),
         d(&STUCK_PAIR_MIN_IDLE),

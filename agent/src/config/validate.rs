@@ -23,6 +23,7 @@ fn count(v: usize) -> u64 {
 
 pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
     ranges::SCAN_INTERVAL.top(cfg.agent.scan_interval)?;
+    ranges::NETNS_WALK_INTERVAL.top(cfg.agent.netns_walk_interval)?;
     let d = &cfg.detect;
     ranges::CLOSE_WAIT_MIN_AGE.top(d.close_wait_min_age)?;
     ranges::CLOSE_WAIT_THRESHOLD.top(count(d.close_wait_threshold))?;

@@ -49,7 +49,7 @@ use aya::{
     },
     Btf, Ebpf, EbpfLoader,
 };
-use connreap_ebpf::{counter, names, EventBatch, OwnerRecord, SockRecord};
+use connreap_ebpf::{counter, names, EventBatch, NsSockRecord, OwnerRecord, SockRecord};
 
 /// The BPF object, embedded at build time (empty when `cargo xtask build-ebpf` has not run).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o"));
@@ -117,6 +117,8 @@ pub struct Kernel {
     pin_dir: PathBuf,
     iter_tcp: Iter,
     iter_files: Iter,
+    /// Sockets held by processes in namespaces other than the reader's (iter/task_file).
+    iter_netns_socks: Iter,
     memory: memory::MapMemory,
     /// Whether the tracker is still attached through this process's pins (see `tracker`).
     tracker: tracker::Watch,
@@ -200,12 +202,14 @@ impl Kernel {
         let tcp_pin = pin_dir.join("iter_tcp");
         let files_pin = pin_dir.join("iter_task_file");
         let flush_pin = pin_dir.join("flush");
+        let netns_pin = pin_dir.join("iter_netns_socks");
         // Fast path: an earlier run left the tracker, its maps and verified iterators pinned;
         // reuse them (no ELF or BTF parsing, no verification). Their offsets were resolved
         // when they were loaded.
         let reuse = PinnedLink::from_pin(pin_dir.join("link")).is_ok()
             && tcp_pin.exists()
             && files_pin.exists()
+            && netns_pin.exists()
             && flush_pin.exists();
         let pinned = if reuse {
             Maps::from_pins(&pin_dir)
@@ -227,6 +231,7 @@ impl Kernel {
         Ok(Kernel {
             iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
             iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
+            iter_netns_socks: from_pin(&netns_pin, names::PROG_ITER_NETNS_SOCKS)?,
             ebpf: maps,
             tracker: tracker::Watch::new(&memory),
             memory,
@@ -255,6 +260,11 @@ impl Kernel {
                 names::PROG_ITER_FILES,
                 "task_file",
                 pin_dir.join("iter_task_file"),
+            ),
+            (
+                names::PROG_ITER_NETNS_SOCKS,
+                "task_file",
+                pin_dir.join("iter_netns_socks"),
             ),
         ] {
             let it: &mut Iter = loaded.program(prog)?;
@@ -439,6 +449,20 @@ impl Kernel {
         Self::run_iter(&mut self.iter_files, "iter/task_file", f)
     }
 
+    /// Every socket a process holds in a namespace other than this thread's, one record per
+    /// file holding it, in one pass over every process's files (see agent-ebpf's
+    /// `netns_socks.rs`): what a scan of the other namespaces reads between their walks.
+    pub fn for_each_held_elsewhere(
+        &mut self,
+        f: impl FnMut(NsSockRecord),
+    ) -> Result<Dump, KernelError> {
+        Self::run_iter(
+            &mut self.iter_netns_socks,
+            "iter/task_file (netns sockets)",
+            f,
+        )
+    }
+
     /// Both dumps at once, the owner dump on a second thread: a one-shot snapshot's wall time
     /// is the longer dump instead of their sum. A socket created while they run may show no
     /// owner (the owner dump may pass its process first); the daemon dumps one after the
@@ -511,6 +535,7 @@ impl Kernel {
         for (name, it) in [
             (names::PROG_ITER_TCP, &self.iter_tcp),
             (names::PROG_ITER_FILES, &self.iter_files),
+            (names::PROG_ITER_NETNS_SOCKS, &self.iter_netns_socks),
         ] {
             if let Ok(info) = it.info() {
                 out.push(ProgramStats {

@@ -107,6 +107,28 @@ impl Resolver {
         None
     }
 
+    /// The type behind typedefs and qualifiers (`possible_net_t` is a typedef of a struct).
+    fn strip(&self, mut ty: Type) -> Type {
+        for _ in 0..8 {
+            ty = match &ty {
+                Type::Typedef(t) => match self.btf.resolve_chained_type(t) {
+                    Ok(next) => next,
+                    Err(_) => return ty,
+                },
+                Type::Const(t) => match self.btf.resolve_chained_type(t) {
+                    Ok(next) => next,
+                    Err(_) => return ty,
+                },
+                Type::Volatile(t) => match self.btf.resolve_chained_type(t) {
+                    Ok(next) => next,
+                    Err(_) => return ty,
+                },
+                _ => return ty,
+            };
+        }
+        ty
+    }
+
     /// Byte offset of a dotted member path, e.g. `icsk_ack.lrcvtime`.
     fn offset(&self, strukt: &str, path: &str) -> Result<u32, OffsetError> {
         let err = || OffsetError::NoMember {
@@ -126,7 +148,7 @@ impl Resolver {
             }
             bits += off;
             if i + 1 < parts.len() {
-                current = match ty {
+                current = match self.strip(ty) {
                     Type::Struct(s) | Type::Union(s) => s,
                     _ => return Err(err()),
                 };
@@ -191,6 +213,12 @@ impl Resolver {
             socket_type: r.offset("socket", "type")?,
             socket_ops: r.offset("socket", "ops")?,
             ops_family: r.offset("proto_ops", "family")?,
+            // possible_net_t holds the pointer as `net` (with CONFIG_NET_NS).
+            skc_net: r.offset("sock_common", "skc_net.net")?,
+            net_ns_inum: r.offset("net", "ns.inum")?,
+            task_nsproxy: r.offset("task_struct", "nsproxy")?,
+            nsproxy_net_ns: r.offset("nsproxy", "net_ns")?,
+            sk_uid: r.offset("sock", "sk_uid")?,
         })
     }
 }
@@ -217,5 +245,6 @@ mod tests {
         // enum sock_flags { SOCK_DEAD, SOCK_DONE, SOCK_URGINLINE, SOCK_KEEPOPEN, ... }
         assert_eq!(o.sock_keepopen_bit, 3);
         assert!(o.sk_flags > 0);
+        assert!(o.net_ns_inum > 0 && o.sk_uid > 0 && o.task_nsproxy > 0);
     }
 }

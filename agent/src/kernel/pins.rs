@@ -26,7 +26,7 @@ const PIN_ROOT_ENV: &str = "CONNREAP_PIN_ROOT";
 
 /// Every pin connreap creates in its object-hash directory: the tracker's link, the maps it
 /// shares, the iterators and the flush program. Nothing else there is ever removed.
-pub(super) const PIN_NAMES: [&str; 8] = [
+pub(super) const PIN_NAMES: [&str; 9] = [
     "link",
     "state",
     "events",
@@ -34,6 +34,7 @@ pub(super) const PIN_NAMES: [&str; 8] = [
     "staging",
     "iter_tcp",
     "iter_task_file",
+    "iter_netns_socks",
     "flush",
 ];
 

@@ -161,9 +161,15 @@ impl Kernel {
             // No tracker writes the table now: records from before the gap go.
             self.clear_state()?;
         }
-        let complete = ["link", "iter_tcp", "iter_task_file", "flush"]
-            .iter()
-            .all(|p| dir.join(p).exists());
+        let complete = [
+            "link",
+            "iter_tcp",
+            "iter_task_file",
+            "iter_netns_socks",
+            "flush",
+        ]
+        .iter()
+        .all(|p| dir.join(p).exists());
         if !complete {
             // Reuses the maps just pinned; attaches the tracker unless a link is alive.
             Kernel::load_object(&dir, self.verbose)?;

@@ -61,6 +61,11 @@ impl Metrics {
             m.netns_scanned.clone(),
         );
         registry.register(
+            "netns_walked",
+            "Of those, namespaces the last scan walked whole (its own always; each other once per agent.netns_walk_interval)",
+            m.netns_walked.clone(),
+        );
+        registry.register(
             "netns_failed",
             "Network namespaces the last scan could not enter or dump (their sockets are missing from it; /healthz names them)",
             m.netns_failed.clone(),
@@ -85,6 +90,7 @@ impl Metrics {
     /// What the last scan saw of the host's namespaces.
     pub fn observe_namespaces(&self, r: &NamespaceReport) {
         self.netns_scanned.set(r.scanned as i64);
+        self.netns_walked.set(r.walked as i64);
         self.netns_failed.set(r.failed.len() as i64);
         self.netns_gone.inc_by(r.gone as u64);
         self.netns_scan_failures.inc_by(r.failed.len() as u64);
@@ -144,6 +150,7 @@ mod tests {
         let m = Metrics::new();
         let report = NamespaceReport {
             scanned: 3,
+            walked: 2,
             gone: 1,
             failed: vec![(4026532009, "permission denied".into())],
         };
@@ -158,6 +165,7 @@ mod tests {
         let text = m.render(Format::Prometheus);
         for want in [
             "connreap_netns_scanned 3\n",
+            "connreap_netns_walked 2\n",
             "connreap_netns_failed 1\n",
             "connreap_netns_gone_total 2\n",
             "connreap_netns_scan_failures_total 2\n",

@@ -305,7 +305,12 @@ impl Reclaimer {
             return (would_kill(&armed.mode), None);
         };
         let mode = &armed.mode;
-        let fresh = match scanner.scan() {
+        // Every target's namespace walked now: a row carried from an earlier walk (a socket no
+        // process holds) may be gone.
+        let mut inodes: Vec<u32> = targets.iter().map(|s| s.netns.inode).collect();
+        inodes.sort_unstable();
+        inodes.dedup();
+        let fresh = match scanner.scan_walking(&inodes) {
             Ok(fresh) => fresh,
             Err(e) => {
                 let why = format!("re-check scan failed: {:#}", anyhow::Error::new(e));

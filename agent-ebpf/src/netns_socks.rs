@@ -1,0 +1,135 @@
+//! `iter/task_file` dump of the sockets processes hold in network namespaces other than the
+//! reader's: one pass over every process's files covers every namespace, where an `iter/tcp`
+//! dump sees one namespace and walks the kernel's host-wide TCP hash to do it (so a dump per
+//! namespace costs namespaces × all sockets of the host). Sockets no process holds (TIME_WAIT,
+//! SYN_RECV, orphans, connections not yet accepted) are not here: userspace walks each
+//! namespace with iter/tcp for them, less often.
+use core::ffi::c_void;
+
+use aya_ebpf::helpers::generated::{self as gen, bpf_seq_write, bpf_sock_from_file};
+use connreap_ebpf::{KernelOffsets, NsSockRecord, SockRecord, AF_INET, AF_INET6, IPPROTO_TCP};
+
+use crate::{
+    off,
+    programs::{addr16, bytes16, full_sock, inet_stream_sk, read, sk_field},
+};
+
+// ctx is struct bpf_iter__task_file { meta; task; u32 fd; file; }, each member 8-byte aligned.
+#[no_mangle]
+#[link_section = "iter/task_file"]
+pub fn connreap_iter_netns_socks(ctx: *mut c_void) -> i32 {
+    let _ = try_netns_socks(ctx);
+    0
+}
+
+fn try_netns_socks(ctx: *mut c_void) -> Result<(), i64> {
+    if off!(valid) != KernelOffsets::MAGIC as u64 {
+        return Err(-1);
+    }
+    // SAFETY: the iterator context layout is fixed by the kernel's bpf_iter__task_file.
+    let (meta, file) = unsafe {
+        let words = ctx as *const u64;
+        (
+            *words,
+            *(words.add(3) as *const *mut aya_ebpf::bindings::file),
+        )
+    };
+    if meta == 0 || file.is_null() {
+        return Ok(());
+    }
+    // SAFETY: `file` is the trusted pointer from the iterator context.
+    let socket = unsafe { bpf_sock_from_file(file) } as *const u8;
+    if socket.is_null() {
+        return Ok(());
+    }
+    let Some(sk) = inet_stream_sk(socket) else {
+        return Ok(());
+    };
+    // The reader's namespace (the task reading the iterator is `current`) against the
+    // socket's, by inode: plain numbers (the verifier refuses comparing kernel pointers).
+    // SAFETY: a helper without arguments returning the trusted current task.
+    let current = unsafe { gen::bpf_get_current_task_btf() } as *const u8;
+    let nsproxy: *const u8 = sk_field(current, off!(task_nsproxy));
+    if nsproxy.is_null() {
+        return Ok(());
+    }
+    let own_net: *const u8 = sk_field(nsproxy, off!(nsproxy_net_ns));
+    let net: *const u8 = sk_field(sk as *const u8, off!(skc_net));
+    if own_net.is_null() || net.is_null() {
+        return Ok(());
+    }
+    let own: u32 = sk_field(own_net, off!(net_ns_inum));
+    let netns: u32 = sk_field(net, off!(net_ns_inum));
+    if netns == own {
+        return Ok(());
+    }
+    // A TCP socket, not MPTCP or SCTP (stream sockets of the inet families too). `sk` is a
+    // BTF pointer the verifier calls untrusted (loaded from struct socket), which the
+    // bpf_skc_to_* helpers refuse: struct sock's own fields are direct loads, tcp_sock's and
+    // inet_connection_sock's (past struct sock) checked reads.
+    let tp = sk as *const u8;
+    let protocol: u16 = sk_field(tp, off!(sk_protocol));
+    if protocol != IPPROTO_TCP {
+        return Ok(());
+    }
+    let family: u16 = sk_field(tp, off!(skc_family));
+    let state: u8 = sk_field(tp, off!(skc_state));
+    let (saddr, daddr) = if family == AF_INET {
+        let s: u32 = sk_field(tp, off!(skc_rcv_saddr));
+        let d: u32 = sk_field(tp, off!(skc_daddr));
+        ([s as u64, 0], [d as u64, 0])
+    } else if family == AF_INET6 {
+        (
+            addr16(tp, off!(skc_v6_rcv_saddr)),
+            addr16(tp, off!(skc_v6_daddr)),
+        )
+    } else {
+        return Ok(());
+    };
+    // The socket's address as a number for the state table (a probe read gives a plain value).
+    let full = full_sock(
+        read::<u64>(socket as u64 + off!(socket_sk)),
+        tp,
+        state,
+        |p, o| read::<u32>(p as u64 + o),
+    );
+    let rec = NsSockRecord {
+        sock: SockRecord {
+            skaddr: sk,
+            inode: full.inode,
+            cookie: sk_field(tp, off!(skc_cookie)),
+            state_age_jiffies: full.state_age_jiffies,
+            saddr: bytes16(saddr),
+            daddr: bytes16(daddr),
+            family,
+            sport: sk_field(tp, off!(skc_num)),
+            dport: u16::from_be(sk_field(tp, off!(skc_dport))),
+            state,
+            flags: full.flags,
+            uid: sk_field(tp, off!(sk_uid)),
+            rx_queue: full.queues.0,
+            tx_queue: full.queues.1,
+            last_rcv_jiffies: full.idle[0],
+            last_snd_jiffies: full.idle[1],
+            last_ack_jiffies: full.idle[2],
+            tw_entry_ms: 0,
+            _pad: 0,
+        },
+        netns,
+        _pad: 0,
+    };
+    // SAFETY: meta points at struct bpf_iter_meta whose first member is the seq_file.
+    let seq = unsafe { *(meta as *const u64) };
+    // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.
+    let ret = unsafe {
+        bpf_seq_write(
+            seq as *mut _,
+            &rec as *const NsSockRecord as *const c_void,
+            core::mem::size_of::<NsSockRecord>() as u32,
+        )
+    };
+    if ret < 0 {
+        return Err(ret);
+    }
+    Ok(())
+}

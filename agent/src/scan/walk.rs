@@ -1,0 +1,230 @@
+//! Which namespaces a scan walks whole, and what it carries between walks (plain data, no
+//! kernel access).
+//!
+//! A walk of a namespace is an `iter/tcp` dump inside it. The kernel keeps one TCP hash for
+//! every namespace (unless `net.ipv4.tcp_child_ehash_entries` gave one its own), so each walk
+//! visits every socket of the host to skip the other namespaces': walking every namespace on
+//! every scan costs namespaces × all sockets. So the daemon walks its own namespace on every
+//! scan and each other namespace once per `every` scans (spread over the scans by inode); in
+//! between, that namespace's sockets held by a process come from one pass over all processes'
+//! files (`Kernel::for_each_held_elsewhere`), and the ones no process holds (TIME_WAIT,
+//! SYN_RECV, orphaned, not yet accepted: inode 0) are carried from its last walk, aged.
+use std::{collections::HashMap, ops::RangeInclusive};
+
+use connreap_ebpf::{sock_flags, SockRecord};
+
+/// What was kept of a namespace's last walk.
+#[derive(Debug, Clone, Default)]
+pub struct Walked {
+    /// Its ephemeral port range, read inside it (None: unreadable, the host's is used).
+    pub ephemeral: Option<RangeInclusive<u16>>,
+    /// When that walk's scan began (CLOCK_MONOTONIC ns).
+    pub at_ns: u64,
+    /// Its sockets no process held then.
+    pub unheld: Vec<SockRecord>,
+}
+
+/// Which scans walk which namespaces, and the last walk of each.
+#[derive(Debug, Default)]
+pub struct Walks {
+    /// Walk a namespace other than the own once per this many scans (≤ 1: every scan).
+    pub every: u64,
+    /// Scans begun.
+    pub scans: u64,
+    walked: HashMap<u32, Walked>,
+}
+
+impl Walks {
+    pub fn new(every: u64) -> Self {
+        Walks {
+            every: every.max(1),
+            ..Walks::default()
+        }
+    }
+
+    /// Whether this scan walks namespace `inode` (not the own: that one is always walked).
+    /// A namespace never walked is walked now; `forced` ones too.
+    pub fn due(&self, inode: u32, forced: &[u32]) -> bool {
+        self.every <= 1
+            || forced.contains(&inode)
+            || !self.walked.contains_key(&inode)
+            || (self.scans + u64::from(inode)).is_multiple_of(self.every)
+    }
+
+    /// The last walk of `inode`, if it is known.
+    pub fn last(&self, inode: u32) -> Option<&Walked> {
+        self.walked.get(&inode)
+    }
+
+    /// Record this scan's walk of `inode`.
+    pub fn record(&mut self, inode: u32, walk: Walked) {
+        self.walked.insert(inode, walk);
+    }
+
+    /// Forget namespaces that are gone (not in `alive`).
+    pub fn retain(&mut self, alive: impl Fn(u32) -> bool) {
+        self.walked.retain(|inode, _| alive(*inode));
+    }
+
+    /// Namespaces remembered.
+    #[cfg(test)]
+    pub fn len(&self) -> usize {
+        self.walked.len()
+    }
+}
+
+/// Whether a walk's record is one only a walk sees: no process holds the socket (no file, so
+/// no inode: timewait and request sockets, orphans, connections not yet accepted).
+pub fn unheld(r: &SockRecord) -> bool {
+    r.inode == 0
+}
+
+/// A record read `elapsed_jiffies` ago as it would read now, as far as it can be known: its
+/// time in state and idle times grow by that much (a timewait socket's entry stamp is a clock
+/// value and stays).
+pub fn aged(r: &SockRecord, elapsed_jiffies: u64) -> SockRecord {
+    let mut out = *r;
+    if r.flags & sock_flags::SINCE_KNOWN != 0 {
+        out.state_age_jiffies = r.state_age_jiffies.saturating_add(elapsed_jiffies);
+    }
+    if r.flags & sock_flags::FULL != 0 {
+        let e = u32::try_from(elapsed_jiffies).unwrap_or(u32::MAX);
+        out.last_rcv_jiffies = r.last_rcv_jiffies.saturating_add(e);
+        out.last_snd_jiffies = r.last_snd_jiffies.saturating_add(e);
+        out.last_ack_jiffies = r.last_ack_jiffies.saturating_add(e);
+    }
+    out
+}
+
+/// Jiffies in `ns` nanoseconds at `hz` ticks per second.
+pub fn jiffies(ns: u64, hz: u32) -> u64 {
+    (u128::from(ns) * u128::from(hz) / 1_000_000_000) as u64
+}
+
+/// A namespace's rows between walks: the sockets held now (`held`, one record per file: each
+/// socket once), then the carried ones no process held at the last walk, aged, unless held now
+/// (a connection accepted since).
+pub fn between_walks(
+    mut held: Vec<SockRecord>,
+    last: Option<&Walked>,
+    now_ns: u64,
+    hz: u32,
+) -> Vec<SockRecord> {
+    held.sort_unstable_by_key(|r| r.skaddr);
+    held.dedup_by_key(|r| r.skaddr);
+    if let Some(w) = last {
+        let elapsed = jiffies(now_ns.saturating_sub(w.at_ns), hz);
+        let carried: Vec<SockRecord> = w
+            .unheld
+            .iter()
+            .filter(|r| held.binary_search_by_key(&r.skaddr, |h| h.skaddr).is_err())
+            .map(|r| aged(r, elapsed))
+            .collect();
+        held.extend(carried);
+    }
+    held
+}
+
+/// How many scans apart a namespace is walked, for a walk interval and a scan interval (0: on
+/// every scan).
+pub fn every(walk: std::time::Duration, scan: std::time::Duration) -> u64 {
+    if walk.is_zero() || scan.is_zero() {
+        return 1;
+    }
+    walk.as_nanos().div_ceil(scan.as_nanos()).max(1) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn rec(skaddr: u64, inode: u64, flags: u8) -> SockRecord {
+        SockRecord {
+            skaddr,
+            inode,
+            flags,
+            state_age_jiffies: 100,
+            last_rcv_jiffies: 10,
+            last_snd_jiffies: 20,
+            last_ack_jiffies: 30,
+            ..SockRecord::default()
+        }
+    }
+
+    #[test]
+    fn each_namespace_is_walked_once_per_period_and_new_ones_at_once() {
+        let mut w = Walks::new(4);
+        // Never walked: due on any scan.
+        assert!(w.due(7, &[]));
+        w.record(7, Walked::default());
+        let mut walked_on = Vec::new();
+        for scan in 1..=12 {
+            w.scans = scan;
+            if w.due(7, &[]) {
+                walked_on.push(scan);
+            }
+        }
+        assert_eq!(walked_on, vec![1, 5, 9], "once every 4 scans");
+        // Spread: another inode falls on other scans.
+        w.record(8, Walked::default());
+        w.scans = 1;
+        assert!(!w.due(8, &[]));
+        assert!(w.due(8, &[8]), "forced");
+        assert!(Walks::new(0).due(8, &[]) && Walks::new(1).due(8, &[]));
+    }
+
+    #[test]
+    fn gone_namespaces_are_forgotten() {
+        let mut w = Walks::new(3);
+        w.record(1, Walked::default());
+        w.record(2, Walked::default());
+        w.retain(|i| i == 2);
+        assert_eq!(w.len(), 1);
+        assert!(w.last(1).is_none() && w.last(2).is_some());
+    }
+
+    #[test]
+    fn ageing_adds_the_elapsed_time_to_what_is_known() {
+        let full = aged(&rec(1, 0, sock_flags::FULL | sock_flags::SINCE_KNOWN), 50);
+        assert_eq!(full.state_age_jiffies, 150);
+        assert_eq!(
+            (
+                full.last_rcv_jiffies,
+                full.last_snd_jiffies,
+                full.last_ack_jiffies
+            ),
+            (60, 70, 80)
+        );
+        // A mini socket: neither age nor idle times are known; nothing changes.
+        let mini = rec(2, 0, sock_flags::TW_ENTRY);
+        assert_eq!(aged(&mini, 50), mini);
+        assert_eq!(jiffies(2_000_000_000, 250), 500);
+    }
+
+    #[test]
+    fn rows_between_walks_are_the_held_once_each_and_the_carried_unheld() {
+        let last = Walked {
+            at_ns: 1_000_000_000,
+            // 3 was not yet accepted at the walk and is held now; 4 is a TIME_WAIT.
+            unheld: vec![rec(3, 0, sock_flags::FULL), rec(4, 0, 0)],
+            ..Walked::default()
+        };
+        // 1 is held by two descriptors (dup, fork).
+        let held = vec![rec(1, 11, 0), rec(3, 13, 0), rec(1, 11, 0)];
+        let rows = between_walks(held, Some(&last), 3_000_000_000, 100);
+        let addrs: Vec<u64> = rows.iter().map(|r| r.skaddr).collect();
+        assert_eq!(addrs, vec![1, 3, 4]);
+        assert_eq!(rows[1].inode, 13, "the held record wins");
+        assert_eq!(between_walks(vec![], None, 0, 100).len(), 0);
+    }
+
+    #[test]
+    fn walk_period_in_scans() {
+        let s = Duration::from_secs;
+        assert_eq!(every(s(60), s(5)), 12);
+        assert_eq!(every(s(7), s(5)), 2);
+        assert_eq!(every(s(1), s(5)), 1);
+        assert_eq!(every(Duration::ZERO, s(5)), 1);
+    }
+}
