@@ -161,6 +161,7 @@ pub struct Config {
     /// `agent.listen` when not [`API`].
     listen: Option<String>,
     scan_interval: String,
+    netns_walk_interval: Option<String>,
     host: Option<String>,
     log_format: Option<String>,
     token_file: Option<PathBuf>,
@@ -182,6 +183,7 @@ impl Config {
             audit: dir.path("audit.jsonl"),
             listen: None,
             scan_interval: "1s".to_string(),
+            netns_walk_interval: None,
             host: None,
             log_format: None,
             token_file: None,
@@ -249,6 +251,12 @@ impl Config {
     /// `agent.scan_interval` (default `"1s"`, see [`super::SCAN`]).
     pub fn scan_interval(mut self, interval: &str) -> Config {
         self.scan_interval = interval.to_string();
+        self
+    }
+
+    /// `agent.netns_walk_interval` (default: the daemon's, 1m).
+    pub fn netns_walk_interval(mut self, interval: &str) -> Config {
+        self.netns_walk_interval = Some(interval.to_string());
         self
     }
 
@@ -328,6 +336,9 @@ impl fmt::Display for Config {
             self.api(),
             self.scan_interval
         )?;
+        if let Some(walk) = &self.netns_walk_interval {
+            writeln!(f, "netns_walk_interval = \"{walk}\"")?;
+        }
         if let Some(host) = &self.host {
             writeln!(f, "host = \"{host}\"")?;
         }

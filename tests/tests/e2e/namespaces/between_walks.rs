@@ -1,0 +1,126 @@
+//! Between two walks of a namespace (`agent.netns_walk_interval`), the daemon reads the
+//! sockets processes hold there from its pass over every process's files, and carries the
+//! ones no process holds from the last walk. Here the walk interval is 1h: after the first
+//! scan walked the pod's namespace, no scan walks it again, yet a leak made afterwards is
+//! seen and alerted on (held sockets, read fresh), the clients' orphaned FIN-WAIT-2 sockets
+//! of the leak made before stay in the table with ages that keep growing (carried).
+
+use std::time::Duration;
+
+use connreap_tests::harness::{require_privileges, wait_until, Agent, TempDir, POLL};
+use serde_json::Value;
+
+use super::{host_config, host_receiver, wait_close_wait_alert, Pod, LEAKED, PORT};
+
+/// Rows of `GET /v1/sockets?netns=NAME&state=STATE` on [`PORT`] (either end).
+fn rows(agent: &Agent, pod: &Pod, state: &str) -> Vec<Value> {
+    let (code, body) = agent.get(&format!("/v1/sockets?netns={}&state={state}", pod.name()));
+    assert_eq!(code, 200, "GET /v1/sockets: {body}");
+    body["sockets"]
+        .as_array()
+        .cloned()
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|s| {
+            ["local", "peer"].iter().any(|k| {
+                s[k].as_str()
+                    .is_some_and(|a| a.ends_with(&format!(":{PORT}")))
+            })
+        })
+        .collect()
+}
+
+/// `connreap_netns_walked` now.
+fn walked(agent: &Agent) -> f64 {
+    agent
+        .metric("connreap_netns_walked")
+        .unwrap_or_else(|| panic!("no connreap_netns_walked in /metrics\n{}", agent.ctx()))
+}
+
+#[test]
+fn sockets_between_walks_are_read_fresh_or_carried() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let pod = Pod::bare("walks");
+    // Before the daemon starts: LEAKED CLOSE_WAIT held by the server, and the clients' ends,
+    // closed, as orphaned FIN-WAIT-2 sockets no process holds.
+    pod.leak(LEAKED);
+    let dir = TempDir::new("ns-walks");
+    let hook = host_receiver();
+    let config = host_config(&dir, &hook).netns_walk_interval("1h");
+    let agent = Agent::start_in_host(&dir, &config);
+    agent.wait_scans(3);
+    // Only the daemon's own namespace is walked now: the pod's was walked once, when new.
+    assert_eq!(
+        walked(&agent),
+        1.0,
+        "with netns_walk_interval = 1h only connreap's own namespace is walked after the first scan\n{}",
+        agent.ctx()
+    );
+    let orphans = rows(&agent, &pod, "FIN_WAIT2");
+    assert_eq!(
+        orphans.len(),
+        LEAKED,
+        "the clients' FIN-WAIT-2 ends (no process holds them) are carried from the walk: {orphans:#?}"
+    );
+    assert!(
+        orphans.iter().all(|s| s["pid"].is_null()),
+        "orphans have no owner: {orphans:#?}"
+    );
+    let age = |rows: &[Value]| {
+        rows.iter()
+            .filter_map(|s| s["age_secs"].as_f64())
+            .fold(0.0, f64::max)
+    };
+    let first = age(&orphans);
+
+    // A leak made after the walk: only the pass over processes' files can see it.
+    pod.leak(LEAKED);
+    let held = wait_until(Duration::from_secs(20), POLL, || {
+        let r = rows(&agent, &pod, "CLOSE_WAIT");
+        (r.len() == 2 * LEAKED).then_some(r)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "{}: the {} CLOSE_WAIT made after the namespace's walk never all showed: {:#?}\n{}",
+            pod.describe(),
+            2 * LEAKED,
+            rows(&agent, &pod, "CLOSE_WAIT"),
+            agent.ctx()
+        )
+    });
+    assert!(
+        held.iter()
+            .all(|s| s["pid"].as_u64() == Some(u64::from(pod.pid()))),
+        "every CLOSE_WAIT is the server's, pid {}: {held:#?}",
+        pod.pid()
+    );
+    wait_close_wait_alert(&hook, &agent, &pod, "firing");
+    // Once the second leak's sockets are old enough, the finding counts both leaks.
+    wait_until(Duration::from_secs(20), POLL, || {
+        agent.find("close_wait_buildup", |f| {
+            f["count"].as_u64() == Some(2 * LEAKED as u64)
+        })
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "no close_wait_buildup finding counting {} sockets: {:#?}\n{}",
+            2 * LEAKED,
+            agent.findings(),
+            agent.ctx()
+        )
+    });
+    assert_eq!(walked(&agent), 1.0, "still no walk of the pod's namespace");
+
+    // Carried rows age: a later scan shows them older by about the time passed.
+    std::thread::sleep(Duration::from_secs(2));
+    agent.wait_scans(1);
+    let later = rows(&agent, &pod, "FIN_WAIT2");
+    assert_eq!(later.len(), LEAKED, "{later:#?}");
+    assert!(
+        age(&later) >= first + 1.5,
+        "carried FIN-WAIT-2 ages must advance between scans: {first} then {}",
+        age(&later)
+    );
+}
