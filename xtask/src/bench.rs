@@ -7,6 +7,7 @@
 //! (both use the host-wide pinned tracker, which the bench unpins), and every change it makes
 //! (namespaces, processes, kernel.bpf_stats_enabled, the pinned tracker) is undone by a guard.
 pub(crate) mod agent;
+mod baseline;
 mod footprint;
 mod load;
 mod measure;
@@ -56,6 +57,24 @@ pub struct BenchArgs {
     /// the report).
     #[arg(long, default_value_t = 600)]
     wait_quiet: u64,
+    /// Also time this connreap binary (built from an older commit) in measure 3, alternated
+    /// with the current one on the same sockets: a row per size with the ratio
+    /// current/baseline (target ≤ 1.05×). Its tracker is pinned under
+    /// /sys/fs/bpf/connreap-baseline, removed at the end.
+    #[arg(
+        long,
+        value_name = "PATH",
+        group = "baseline_src",
+        conflicts_with = "baseline_commit"
+    )]
+    baseline: Option<PathBuf>,
+    /// Build the baseline from this commit (a git worktree in target/bench-baseline-src,
+    /// reused; its own `cargo xtask build`) and use its target/release/connreap as --baseline.
+    #[arg(long, value_name = "REV", group = "baseline_src")]
+    baseline_commit: Option<String>,
+    /// How the rows name the baseline (default: its commit).
+    #[arg(long, value_name = "TEXT", requires = "baseline_src")]
+    baseline_label: Option<String>,
 }
 
 /// State shared between measures (later ones reuse earlier figures in their diagnosis).
@@ -80,10 +99,12 @@ pub struct Ctx {
     /// µs of CPU per churn connection in the tracker and its dispatch with bpf_stats off (as in
     /// measure 2), from perf's share of all samples.
     pub tracker_perf_us: Option<f64>,
+    /// The older connreap measure 3 also times (`--baseline`, `--baseline-commit`).
+    pub baseline: Option<baseline::Baseline>,
 }
 
 impl Ctx {
-    fn new(args: &BenchArgs, dir: PathBuf) -> Ctx {
+    fn new(args: &BenchArgs, dir: PathBuf, baseline: Option<baseline::Baseline>) -> Ctx {
         Ctx {
             smoke: args.smoke,
             parts: args.probe_parts,
@@ -96,6 +117,7 @@ impl Ctx {
             runs_per_conn: None,
             dispatch_ns: None,
             tracker_perf_us: None,
+            baseline,
         }
     }
 
@@ -149,7 +171,12 @@ fresh namespace (10k: 1 × 5000 connections; 100k: 6 × 8500). Before they conne
 of the empty namespace give the fixed cost (and attach the tracker, so every age is exact). Each \
 round runs `connreap snapshot --json`, `ss -tanp`, `ss -tan` in the namespace (setns, like \
 `nsenter --net`), stdout to /dev/null; wall time spawn→exit, CPU from wait4; medians of 5 rounds. \
-One extra snapshot is parsed to check that it sees every socket, with its owner.
+One extra snapshot is parsed to check that it sees every socket, with its owner. With `--baseline \
+PATH` (or `--baseline-commit REV`, which builds one), an older connreap is timed too, on the same \
+sockets: `connreap snapshot --json` (old builds know no `--netns` and dump their own namespace \
+only) with its own pin root (CONNREAP_PIN_ROOT=/sys/fs/bpf/connreap-baseline, removed at the end), \
+against this build's `snapshot --json --netns host`; both warmed up, their row counts compared, \
+then 10 alternated ABBA blocks (ABBA BAAB ...); ratio of the medians, target ≤ 1.05×.
 4. **Memory**: `connreap run` (scan_interval 5s) in the 100k namespace; VmRSS from \
 /proc/PID/status after 3 scans and then once per scan through the 60 s CPU window (the largest is \
 judged), VmHWM, resident memory by kind from /proc/PID/smaps, and the idle daemon of measure 1 as \
@@ -270,13 +297,13 @@ fn wait_quiet(max: Duration) -> Result<Vec<String>> {
 }
 
 pub fn run(args: BenchArgs) -> Result<()> {
-    let (dir, built) = prepare(&args)?;
+    let (dir, built, base) = prepare(&args)?;
     let busy = wait_quiet(Duration::from_secs(args.wait_quiet))?;
     let (lock, waited) = sys::e2e_lock(Duration::from_secs(args.wait_quiet.max(60)))?;
     let pins = agent::PinRestore::new();
     let load0 = sys::loadavg();
     let t0 = Instant::now();
-    let mut ctx = Ctx::new(&args, dir.clone());
+    let mut ctx = Ctx::new(&args, dir.clone(), base.clone());
     let done = run_measures(&mut ctx, &args.only);
     drop(pins);
     drop(lock);
@@ -286,14 +313,21 @@ pub fn run(args: BenchArgs) -> Result<()> {
             .push("Waited for the e2e tests to release their lock before starting.".to_string());
     }
     conditions.extend(run_conditions(&busy, &done, &load0, t0));
+    if let Some(b) = &base {
+        conditions.push(format!(
+            "Measure 3 also timed a baseline, {} ({}), alternated with this build.",
+            b.label,
+            b.source.display()
+        ));
+    }
     write_report(&args, &dir, &built, conditions, &done.rows)?;
     check_verdicts(&args, &done.rows)
 }
 
 /// Build (unless `--no-build`), check the machine, and copy the agent (and, with
-/// `--probe-parts`, build its variants) into the bench's directory; returns that directory and
-/// when the agent binary was built.
-fn prepare(args: &BenchArgs) -> Result<(PathBuf, String)> {
+/// `--probe-parts`, build its variants; with `--baseline-commit`, build the baseline) into the
+/// bench's directory; returns that directory, when the agent binary was built, and the baseline.
+fn prepare(args: &BenchArgs) -> Result<(PathBuf, String, Option<baseline::Baseline>)> {
     if !args.no_build {
         crate::build_agent()?;
     }
@@ -314,7 +348,11 @@ fn prepare(args: &BenchArgs) -> Result<(PathBuf, String)> {
     if args.probe_parts {
         parts::build(&dir)?;
     }
-    Ok((dir, built))
+    let base = baseline::resolve(args, &dir)?;
+    if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) {
+        eprintln!("bench: warning: the baseline is only used by measure 3, not selected");
+    }
+    Ok((dir, built, base))
 }
 
 /// What the measures produced, and what ran next to them.

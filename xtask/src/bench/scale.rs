@@ -8,7 +8,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 
 use super::{
-    agent, footprint,
+    agent, baseline, footprint,
     load::Holders,
     proc::{self, Timed},
     profile,
@@ -95,9 +95,14 @@ impl ScanSplit {
 
     /// Medians of `runs` snapshots run in `ns`.
     pub(super) fn measure(ns: &NsHandle, runs: usize) -> Result<ScanSplit> {
+        Self::measure_with(|| snapshot_cmd(ns), runs)
+    }
+
+    /// Medians of `runs` snapshots, each the command `snapshot` makes.
+    pub(super) fn measure_with(snapshot: impl Fn() -> Command, runs: usize) -> Result<ScanSplit> {
         let mut all = Vec::new();
         for _ in 0..runs {
-            let out = snapshot_cmd(ns)
+            let out = snapshot()
                 .env("RUST_LOG", "connreap::scan=debug,connreap::snapshot=debug")
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
@@ -170,6 +175,12 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
         if ctx.perf && i == 0 {
             fixed += &profile_line(ctx, &h, "snapshot-empty", "there");
         }
+        // The baseline's tracker too, before the holders connect (its ages exact as well).
+        let base = ctx.baseline.clone();
+        let pins = match &base {
+            Some(b) => Some(baseline::Pins::warm(b, &h)?),
+            None => None,
+        };
         let holders = Holders::start(&h, per)?;
         let profile_full = ctx.perf && i == last;
         rows.extend(snapshot_rows(
@@ -181,6 +192,19 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
             fixed,
             profile_full,
         )?);
+        if let (Some(b), Some(p)) = (&base, &pins) {
+            // A failed comparison is a failed row of its own; the rows above stand.
+            rows.push(baseline::row(ctx, &h, tag, b, p).unwrap_or_else(|e| {
+                eprintln!("bench: the baseline comparison failed: {e:#}");
+                Row::failed(
+                    "3",
+                    &format!("snapshot ({tag}) vs baseline {}", b.label),
+                    &e,
+                )
+            }));
+        }
+        // The baseline's tracker goes before the daemon measures.
+        drop(pins);
         if i == last {
             rows.extend(footprint::daemon_rows(ctx, &h, tag, holders.sockets)?);
         }
