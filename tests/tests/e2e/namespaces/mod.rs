@@ -8,6 +8,7 @@
 //! Tests that need no cgroup v2 hierarchy print `skipped: <reason>` without one (hybrid hosts
 //! mount it at /sys/fs/cgroup/unified, which is used then).
 
+mod bpf_fallback;
 mod disappears;
 mod relay_chain;
 mod scoped_policy;
