@@ -143,17 +143,43 @@ fn urlencode(s: &str) -> String {
     out
 }
 
-/// A reclaim round as an Alertmanager alert that starts and ends at once.
+/// A reclaim round as an Alertmanager alert that starts and ends at once. Labels: the
+/// policy, and where it closed sockets: `netns` (the namespaces' labels, comma-separated, as
+/// a finding's `netns` label names one) and `container` (short id) when all were in one
+/// container; annotations: the count, the namespaces' inodes and names, the container ids and
+/// the destroy mechanism.
 fn reclaimed_alertmanager(r: &Reclaimed) -> Value {
     let at = rfc3339(r.time);
+    let joined = |f: &dyn Fn(&crate::notify::ReclaimedNamespace) -> String| {
+        r.namespaces.iter().map(f).collect::<Vec<_>>().join(",")
+    };
+    let mut containers: Vec<&str> = r
+        .namespaces
+        .iter()
+        .flat_map(|n| n.containers.iter().map(String::as_str))
+        .collect();
+    containers.sort_unstable();
+    containers.dedup();
+    let mut labels = json!({
+        "alertname": r.kind,
+        "host": r.host,
+        "policy": r.policy,
+        "service": "connreap",
+        "netns": joined(&|n| n.label.clone()),
+    });
+    if let [c] = containers.as_slice() {
+        labels["container"] = json!(c.get(..12).unwrap_or(c));
+    }
     json!([{
-        "labels": {
-            "alertname": r.kind,
-            "host": r.host,
-            "policy": r.policy,
-            "service": "connreap",
+        "labels": labels,
+        "annotations": {
+            "summary": r.summary,
+            "count": r.count.to_string(),
+            "netns": joined(&|n| n.netns.to_string()),
+            "netns_name": joined(&|n| n.netns_name.clone().unwrap_or_default()),
+            "containers": containers.join(","),
+            "mechanism": r.mechanism.unwrap_or(""),
         },
-        "annotations": { "summary": r.summary },
         "startsAt": at,
         "endsAt": at,
     }])
@@ -460,5 +486,71 @@ mod tests {
             labels.get("pod").is_none() && labels.get("pod_namespace").is_none(),
             "{labels}"
         );
+    }
+
+    /// A reclaim round in a pod's namespace: its namespace and container as labels, their
+    /// full attribution and the destroy mechanism as annotations; JSON bodies keep the fields
+    /// they always had.
+    #[test]
+    fn reclaimed_alert_names_where_it_closed_sockets() {
+        use crate::notify::{Reclaimed, ReclaimedNamespace};
+        let id = format!("abcdef{}", "0".repeat(58));
+        let ns = |netns: u32, name: Option<&str>, containers: Vec<String>| ReclaimedNamespace {
+            netns,
+            netns_name: name.map(String::from),
+            label: name.map_or(netns.to_string(), String::from),
+            count: 2,
+            containers,
+        };
+        let mut r = Reclaimed {
+            kind: "reclaimed",
+            status: "firing",
+            host: "node-1".into(),
+            policy: "leaks".into(),
+            mode: crate::reclaim::Mode::Enforce,
+            count: 2,
+            summary: "policy leaks closed 2 sockets; in netns cni-a, container abcdef000000".into(),
+            processes: Vec::new(),
+            namespaces: vec![ns(4026532001, Some("cni-a"), vec![id.clone()])],
+            mechanism: Some("bpf-sock-destroy"),
+            quota: None,
+            sockets: Vec::new(),
+            time: "2026-12-05T10:00:00Z".parse().unwrap(),
+        };
+        let am = AmContext::default();
+        let n = Notification::Reclaimed(r.clone());
+        let b = body(&n, WebhookFormat::Alertmanager, &am).unwrap();
+        let (labels, ann) = (&b[0]["labels"], &b[0]["annotations"]);
+        assert_eq!(labels["alertname"], "reclaimed");
+        assert_eq!(labels["policy"], "leaks");
+        assert_eq!(labels["netns"], "cni-a");
+        assert_eq!(labels["container"], "abcdef000000");
+        assert_eq!(ann["netns"], "4026532001");
+        assert_eq!(ann["netns_name"], "cni-a");
+        assert_eq!(ann["containers"], id.as_str());
+        assert_eq!(ann["mechanism"], "bpf-sock-destroy");
+        assert_eq!(ann["count"], "2");
+        assert_eq!(b[0]["startsAt"], b[0]["endsAt"]);
+        let j = body(&n, WebhookFormat::Json, &am).unwrap();
+        for key in [
+            "kind", "status", "host", "policy", "mode", "count", "summary",
+        ] {
+            assert!(j.get(key).is_some(), "{key}: {j}");
+        }
+        assert_eq!(j["namespaces"][0]["label"], "cni-a");
+        // Two namespaces, no container: both in the label, no container label.
+        r.namespaces = vec![
+            ns(4026532001, Some("cni-a"), Vec::new()),
+            ns(4026532002, None, Vec::new()),
+        ];
+        let b = body(
+            &Notification::Reclaimed(r),
+            WebhookFormat::Alertmanager,
+            &am,
+        )
+        .unwrap();
+        assert_eq!(b[0]["labels"]["netns"], "cni-a,4026532002");
+        assert!(b[0]["labels"].get("container").is_none(), "{b}");
+        assert_eq!(b[0]["annotations"]["netns"], "4026532001,4026532002");
     }
 }

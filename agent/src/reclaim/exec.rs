@@ -323,6 +323,7 @@ impl Reclaimer {
         };
         let now: HashMap<(u64, u64), &Socket> =
             fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
+        let mechanism = destroyer.name();
         let outcomes = kill_all(p, destroyer, targets, &now, &scanner.namespaces);
         let decisions: Vec<Decision> = targets
             .iter()
@@ -332,6 +333,9 @@ impl Reclaimer {
                 if let Some(c) = cookie {
                     // The cookie the kill went by (the table's may still be 0).
                     d.cookie = Some(format!("{c:#x}"));
+                }
+                if d.result == Outcome::Killed {
+                    d.mechanism = Some(mechanism);
                 }
                 d
             })
@@ -372,7 +376,8 @@ impl Reclaimer {
                 let netns = d.netns_name.clone().unwrap_or_else(|| d.netns.to_string());
                 tracing::info!(policy = %d.policy, mode = %d.mode, result = ?d.result, reason = d.reason.as_deref().unwrap_or(""),
                     local = %d.local, peer = %d.peer, pid = ?d.pid, comm = %d.comm, netns = %netns,
-                    container = d.container.as_deref().unwrap_or(""), "reclaim decision");
+                    container = d.container.as_deref().unwrap_or(""), mechanism = d.mechanism.unwrap_or(""),
+                    "reclaim decision");
                 self.recent.push_back(d.clone());
             }
             while self.recent.len() > RECENT {

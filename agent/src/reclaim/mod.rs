@@ -200,9 +200,17 @@ pub struct Decision {
     /// The socket's network namespace: its inode, and its name when it has one.
     pub netns: u32,
     pub netns_name: Option<String>,
+    /// Whether that namespace is connreap's own (not written: `netns` says which it is; the
+    /// `reclaimed` event's summary names only the other ones).
+    #[serde(skip)]
+    pub netns_own: bool,
     /// The full id of the container its owner runs in, when it runs in one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container: Option<String>,
+    /// Killed lines: the destroy mechanism that closed the socket (`netlink-sock-destroy` or
+    /// `bpf-sock-destroy`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub mechanism: Option<&'static str>,
     pub state: TcpState,
     pub age_secs: f64,
     pub age_exact: bool,
@@ -237,7 +245,9 @@ pub fn decision(
         unit: s.unit(),
         netns: s.netns.inode,
         netns_name: s.netns.name.as_deref().map(String::from),
+        netns_own: s.netns.own,
         container: s.container_id().map(String::from),
+        mechanism: None,
         state: s.state,
         age_secs: crate::present::round_secs(s.age),
         age_exact: s.age_exact,

@@ -9,6 +9,7 @@
 //! mount it at /sys/fs/cgroup/unified, which is used then).
 
 mod between_walks;
+mod bpf_fallback;
 mod disappears;
 mod relay_chain;
 mod scoped_policy;
