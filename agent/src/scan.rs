@@ -18,7 +18,7 @@ use crate::{
     },
     table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
-use connreap_ebpf::SockRecord;
+use rustc_hash::{FxHashMap, FxHashSet};
 pub use walk::every as walk_every;
 use walk::{Walked, Walks};
 
@@ -148,10 +148,13 @@ impl Scanner {
         let discovered = start.elapsed();
         // This scan walks its own namespace, the namespaces never walked or whose turn it is;
         // the others ("between walks") come from the one dump of held sockets below.
-        let (to_walk, between): (Vec<Namespace>, Vec<Namespace>) = spaces
+        let (mut to_walk, mut between): (Vec<Namespace>, Vec<Namespace>) = spaces
             .iter()
             .cloned()
             .partition(|ns| ns.own || parallel || self.walks.due(ns.inode, forced));
+        if !between.is_empty() && self.walks.walk_all_cheaper(between.len()) {
+            to_walk.append(&mut between);
+        }
         // What each walked namespace leaves for the scans between its walks (not the own:
         // walked on every scan, it needs nothing carried).
         let mut walked: Vec<(u32, Option<Walked>)> = Vec::new();
@@ -159,7 +162,7 @@ impl Scanner {
             NsEvent::Enter(ns) => {
                 // Read on the thread inside the namespace: its own sysctl.
                 let ephemeral = procfs::ephemeral_ports();
-                b.begin_namespace(netns_row(ns), ephemeral.clone());
+                let _ = b.begin_namespace(netns_row(ns), ephemeral.clone());
                 walked.push((
                     ns.inode,
                     (!ns.own).then(|| Walked {
@@ -196,6 +199,11 @@ impl Scanner {
             let owners = self.kernel.for_each_owner(|o| holders.push(&o))?;
             (sockets, owners, held)
         };
+        self.walks.observe_walks(all.others, all.others_in_kernel);
+        self.walks.observe_owner(owners.in_kernel);
+        if held.records > 0 || !between.is_empty() {
+            self.walks.observe_held(held.in_kernel);
+        }
         let walked_count = all.namespaces;
         all.namespaces += between.len();
         for (inode, w) in walked {
@@ -272,8 +280,9 @@ impl Scanner {
 }
 
 /// The rows of the namespaces `between` their walks: one dump of the sockets processes hold
-/// outside connreap's namespace, grouped by namespace, plus what each one's last walk carries
-/// (see `walk::between_walks`). No dump when there are no such namespaces.
+/// outside connreap's namespace, each socket once (a socket shared by several descriptors
+/// comes once per descriptor), plus what each one's last walk carries (see `walk::carried`).
+/// No dump when there are no such namespaces.
 fn between_walks(
     kernel: &mut Kernel,
     walks: &Walks,
@@ -285,21 +294,27 @@ fn between_walks(
     if between.is_empty() {
         return Ok(kernel::Dump::default());
     }
-    let mut held: HashMap<u32, Vec<SockRecord>> =
-        between.iter().map(|n| (n.inode, Vec::new())).collect();
+    let parts: FxHashMap<u32, usize> = between
+        .iter()
+        .map(|ns| {
+            let ephemeral = walks.last(ns.inode).and_then(|w| w.ephemeral.clone());
+            (ns.inode, b.begin_namespace(netns_row(ns), ephemeral))
+        })
+        .collect();
+    let mut held = FxHashSet::default();
     let dump = kernel.for_each_held_elsewhere(|r| {
         // Namespaces walked by this scan, and any not discovered, are not added here.
-        if let Some(v) = held.get_mut(&r.netns) {
-            v.push(r.sock);
+        if let Some(&part) = parts.get(&r.netns) {
+            if held.insert(r.sock.skaddr) {
+                b.push_in(part, &r.sock);
+            }
         }
     })?;
     for ns in between {
-        let last = walks.last(ns.inode);
-        b.begin_namespace(netns_row(ns), last.and_then(|w| w.ephemeral.clone()));
-        let rows =
-            walk::between_walks(held.remove(&ns.inode).unwrap_or_default(), last, now_ns, hz);
-        for r in &rows {
-            b.push(r);
+        if let (Some(last), Some(&part)) = (walks.last(ns.inode), parts.get(&ns.inode)) {
+            for r in walk::carried(last, |a| held.contains(&a), now_ns, hz) {
+                b.push_in(part, &r);
+            }
         }
     }
     Ok(dump)

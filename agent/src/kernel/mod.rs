@@ -104,6 +104,9 @@ pub struct SocketDump {
     pub dump: Dump,
     /// Namespaces dumped.
     pub namespaces: usize,
+    /// Of those, namespaces other than connreap's own, and their dumps' time in the kernel.
+    pub others: usize,
+    pub others_in_kernel: Duration,
     /// Namespaces that went away between discovery and their dump.
     pub gone: usize,
     /// Namespaces that could not be entered or dumped (inode, why): their sockets are missing
@@ -425,6 +428,10 @@ impl Kernel {
                     out.dump.in_kernel += d.in_kernel;
                     out.dump.total += d.total;
                     out.namespaces += 1;
+                    if !ns.own {
+                        out.others += 1;
+                        out.others_in_kernel += d.in_kernel;
+                    }
                 }
                 Err(e) if ns.own => own_error = Some(e),
                 Err(e) => failed_dumps.push((ns.inode, e.into())),

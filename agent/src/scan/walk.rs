@@ -9,6 +9,8 @@
 //! between, that namespace's sockets held by a process come from one pass over all processes'
 //! files (`Kernel::for_each_held_elsewhere`), and the ones no process holds (TIME_WAIT,
 //! SYN_RECV, orphaned, not yet accepted: inode 0) are carried from its last walk, aged.
+//! That pass costs about what the owner dump does, more than a few walks: where walking the
+//! namespaces between their walks would cost less (measured times), the scan walks them all.
 use std::{collections::HashMap, ops::RangeInclusive};
 
 use connreap_ebpf::{sock_flags, SockRecord};
@@ -32,6 +34,19 @@ pub struct Walks {
     /// Scans begun.
     pub scans: u64,
     walked: HashMap<u32, Walked>,
+    /// Smoothed kernel time of one walk of a namespace other than the own, of the pass over
+    /// processes' files that reads the namespaces between their walks, and of the owner dump
+    /// (the same kind of pass, measured on every scan), in ns.
+    walk_ns: Option<f64>,
+    held_ns: Option<f64>,
+    owner_ns: Option<f64>,
+}
+
+/// Weight of a new measurement in the smoothed times.
+const ALPHA: f64 = 0.3;
+
+fn smooth(old: Option<f64>, new: f64) -> Option<f64> {
+    Some(old.map_or(new, |o| o + ALPHA * (new - o)))
 }
 
 impl Walks {
@@ -40,6 +55,38 @@ impl Walks {
             every: every.max(1),
             ..Walks::default()
         }
+    }
+
+    /// `n` walks of namespaces other than the own took `total` in the kernel.
+    pub fn observe_walks(&mut self, n: usize, total: std::time::Duration) {
+        if n > 0 {
+            self.walk_ns = smooth(self.walk_ns, total.as_nanos() as f64 / n as f64);
+        }
+    }
+
+    /// The pass reading the namespaces between their walks took `d` in the kernel.
+    pub fn observe_held(&mut self, d: std::time::Duration) {
+        self.held_ns = smooth(self.held_ns, d.as_nanos() as f64);
+    }
+
+    /// The owner dump took `d` in the kernel.
+    pub fn observe_owner(&mut self, d: std::time::Duration) {
+        self.owner_ns = smooth(self.owner_ns, d.as_nanos() as f64);
+    }
+
+    /// Whether walking all `between` namespaces costs no more than the pass over processes'
+    /// files would: each walk passes over every socket of the host, but skipping another
+    /// namespace's socket is cheaper than reading a process's file (on the bench host ~0.1 µs
+    /// against ~0.8 µs), so with a few namespaces walking them is cheaper. From the times
+    /// measured so far; before the pass ran once, 1.5× the owner dump's stands in for it.
+    pub fn walk_all_cheaper(&self, between: usize) -> bool {
+        let Some(walk) = self.walk_ns else {
+            return false;
+        };
+        let Some(held) = self.held_ns.or(self.owner_ns.map(|o| o * 1.5)) else {
+            return false;
+        };
+        between as f64 * walk <= held
     }
 
     /// Whether this scan walks namespace `inode` (not the own: that one is always walked).
@@ -101,28 +148,20 @@ pub fn jiffies(ns: u64, hz: u32) -> u64 {
     (u128::from(ns) * u128::from(hz) / 1_000_000_000) as u64
 }
 
-/// A namespace's rows between walks: the sockets held now (`held`, one record per file: each
-/// socket once), then the carried ones no process held at the last walk, aged, unless held now
-/// (a connection accepted since).
-pub fn between_walks(
-    mut held: Vec<SockRecord>,
-    last: Option<&Walked>,
+/// The rows a namespace's last walk carries to a scan between walks: the sockets no process
+/// held then, aged by the time since, except those `held_now` (a connection accepted since,
+/// whose fresh record the scan has).
+pub fn carried<'a>(
+    last: &'a Walked,
+    held_now: impl Fn(u64) -> bool + 'a,
     now_ns: u64,
     hz: u32,
-) -> Vec<SockRecord> {
-    held.sort_unstable_by_key(|r| r.skaddr);
-    held.dedup_by_key(|r| r.skaddr);
-    if let Some(w) = last {
-        let elapsed = jiffies(now_ns.saturating_sub(w.at_ns), hz);
-        let carried: Vec<SockRecord> = w
-            .unheld
-            .iter()
-            .filter(|r| held.binary_search_by_key(&r.skaddr, |h| h.skaddr).is_err())
-            .map(|r| aged(r, elapsed))
-            .collect();
-        held.extend(carried);
-    }
-    held
+) -> impl Iterator<Item = SockRecord> + 'a {
+    let elapsed = jiffies(now_ns.saturating_sub(last.at_ns), hz);
+    last.unheld
+        .iter()
+        .filter(move |r| !held_now(r.skaddr))
+        .map(move |r| aged(r, elapsed))
 }
 
 /// How many scans apart a namespace is walked, for a walk interval and a scan interval (0: on
@@ -203,20 +242,43 @@ mod tests {
     }
 
     #[test]
-    fn rows_between_walks_are_the_held_once_each_and_the_carried_unheld() {
+    fn carried_rows_are_the_unheld_not_held_now_aged() {
         let last = Walked {
             at_ns: 1_000_000_000,
             // 3 was not yet accepted at the walk and is held now; 4 is a TIME_WAIT.
-            unheld: vec![rec(3, 0, sock_flags::FULL), rec(4, 0, 0)],
+            unheld: vec![
+                rec(3, 0, sock_flags::FULL),
+                rec(4, 0, sock_flags::SINCE_KNOWN),
+            ],
             ..Walked::default()
         };
-        // 1 is held by two descriptors (dup, fork).
-        let held = vec![rec(1, 11, 0), rec(3, 13, 0), rec(1, 11, 0)];
-        let rows = between_walks(held, Some(&last), 3_000_000_000, 100);
-        let addrs: Vec<u64> = rows.iter().map(|r| r.skaddr).collect();
-        assert_eq!(addrs, vec![1, 3, 4]);
-        assert_eq!(rows[1].inode, 13, "the held record wins");
-        assert_eq!(between_walks(vec![], None, 0, 100).len(), 0);
+        let rows: Vec<SockRecord> = carried(&last, |a| a == 3, 3_000_000_000, 100).collect();
+        assert_eq!(rows.len(), 1);
+        assert_eq!(rows[0].skaddr, 4);
+        // 2 s at HZ=100: 200 jiffies older.
+        assert_eq!(rows[0].state_age_jiffies, 300);
+    }
+
+    #[test]
+    fn all_between_namespaces_are_walked_when_that_is_cheaper_than_the_pass() {
+        let ms = Duration::from_millis;
+        let mut w = Walks::new(12);
+        // Nothing measured yet: no walk-time estimate, use the pass.
+        assert!(!w.walk_all_cheaper(1));
+        w.observe_walks(2, ms(20));
+        // The pass is not measured yet either: the owner dump's time stands in (x1.5).
+        w.observe_owner(ms(60));
+        assert!(
+            w.walk_all_cheaper(1),
+            "one walk of 10 ms vs a pass of ~90 ms"
+        );
+        assert!(w.walk_all_cheaper(9));
+        assert!(!w.walk_all_cheaper(10));
+        w.observe_held(ms(40));
+        assert!(w.walk_all_cheaper(4) && !w.walk_all_cheaper(5));
+        // Smoothed, not replaced: one slow walk does not flip the choice at once.
+        w.observe_walks(1, ms(100));
+        assert!(w.walk_all_cheaper(1));
     }
 
     #[test]

@@ -157,17 +157,18 @@ impl<'a> TableBuilder<'a> {
     }
 
     /// The records pushed from now on come from `netns`, whose ephemeral port range is
-    /// `ephemeral` (None: the host's).
+    /// `ephemeral` (None: the host's). Returns the namespace's part, for [`Self::push_in`].
     pub fn begin_namespace(
         &mut self,
         netns: Arc<Netns>,
         ephemeral: Option<std::ops::RangeInclusive<u16>>,
-    ) {
+    ) -> usize {
         self.parts.push(NsPart {
             netns,
             listening: PortSet::default(),
             ephemeral: ephemeral.unwrap_or_else(|| self.host.ephemeral.clone()),
         });
+        self.parts.len() - 1
     }
 
     /// The namespace being read: the last begun (the host's, unknown, if none was).
@@ -197,7 +198,18 @@ impl<'a> TableBuilder<'a> {
         ))
     }
 
+    /// A record of the namespace begun last.
     pub fn push(&mut self, s: &SockRecord) {
+        let part = self.part();
+        self.push_in(part, s);
+    }
+
+    /// A record of the namespace `part` (from [`Self::begin_namespace`]; records of several
+    /// namespaces may come interleaved).
+    pub fn push_in(&mut self, part: usize, s: &SockRecord) {
+        if part >= self.parts.len() {
+            return;
+        }
         let Some(state) = TcpState::from_kernel(s.state) else {
             return;
         };
@@ -233,7 +245,6 @@ impl<'a> TableBuilder<'a> {
             };
             (bound, false)
         };
-        let part = self.part();
         if state == TcpState::Listen {
             self.parts[part].listening.insert(s.sport);
         }
