@@ -198,9 +198,12 @@ any other) against the loop a user would script, `nsenter --net=/run/netns/NAME 
 each of the bench's namespaces in turn in one `sh` (wall time of the whole loop, CPU of the shell \
 and its children from wait4), and the same loop with `ss -tan`; medians. One extra snapshot is \
 parsed to check that it sees every held socket in its namespace, with its owner. Then \
-`connreap run` (scan_interval 2s) in a namespace of its own: after 2 scans, (utime + stime) \
-from /proc/PID/stat over 10 scans ÷ the scans /metrics counted, and VmRSS after each of them \
-(the largest is judged).
+`connreap run` (scan_interval 2s) in a namespace of its own, twice, one after the other: with \
+`netns_walk_interval = \"0s\"` (every namespace walked on every scan) and with \
+`netns_walk_interval = \"20s\"` (10 scans: each namespace walked once in the window, the others \
+read by the pass over processes' files): after 2 scans, (utime + stime) from /proc/PID/stat \
+over 10 scans ÷ the scans /metrics counted, their ratio, and VmRSS after each scan of the \
+second daemon (the largest is judged).
 
 Profiles (perf) and the gdb step only explain figures; `--no-profile` skips them. The agent binary \
 is copied to target/bench-tmp/ at the start and that copy is used throughout. `--smoke` runs the \
