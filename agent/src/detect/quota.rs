@@ -118,12 +118,20 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 limit: entry.limit,
             });
             // Both the quota's own connections and the hop that feeds them, half the list each
-            // when there is a hop (one list sorted by age could hold only one side).
+            // when there is a hop (one list sorted by age could hold only one side). The hop's
+            // half lists whole connections, both ends of each, oldest first: sorted by socket
+            // age alone it could list only the holder's accepted ends, never the feeder's.
             f.sockets = oldest_briefs(ends.iter().copied());
             if !up.hops.is_empty() {
                 f.sockets.truncate(MAX_SOCKETS / 2);
-                let hops = oldest_briefs(up.hops.iter().flat_map(|h| [h.accepted, h.origin]));
-                f.sockets.extend(hops.into_iter().take(MAX_SOCKETS / 2));
+                let mut hops: Vec<_> = up.hops.iter().collect();
+                hops.sort_by_key(|h| std::cmp::Reverse(h.origin.age.max(h.accepted.age)));
+                f.sockets.extend(
+                    hops.iter()
+                        .take(MAX_SOCKETS / 4)
+                        .flat_map(|h| [h.accepted, h.origin])
+                        .map(super::brief),
+                );
             }
             // Where the quota's connections are: its namespace, and the container of the
             // process holding its side of them (the relay's).
