@@ -6,12 +6,12 @@
 //! namespace with iter/tcp for them, less often.
 use core::ffi::c_void;
 
-use aya_ebpf::helpers::generated::{self as gen, bpf_seq_write, bpf_sock_from_file};
-use connreap_ebpf::{KernelOffsets, NsSockRecord, SockRecord, AF_INET, AF_INET6, IPPROTO_TCP};
+use aya_ebpf::helpers::generated::{self as gen, bpf_sock_from_file};
+use connreap_ebpf::{KernelOffsets, NsSockRecord, IPPROTO_TCP};
 
 use crate::{
     off,
-    programs::{addr16, bytes16, full_sock, inet_stream_sk, read, sk_field},
+    programs::{addresses, full_sock, inet_stream_sk, read, seq_write, sk_field, sock_record},
 };
 
 // ctx is struct bpf_iter__task_file { meta; task; u32 fd; file; }, each member 8-byte aligned.
@@ -74,16 +74,7 @@ fn try_netns_socks(ctx: *mut c_void) -> Result<(), i64> {
     }
     let family: u16 = sk_field(tp, off!(skc_family));
     let state: u8 = sk_field(tp, off!(skc_state));
-    let (saddr, daddr) = if family == AF_INET {
-        let s: u32 = sk_field(tp, off!(skc_rcv_saddr));
-        let d: u32 = sk_field(tp, off!(skc_daddr));
-        ([s as u64, 0], [d as u64, 0])
-    } else if family == AF_INET6 {
-        (
-            addr16(tp, off!(skc_v6_rcv_saddr)),
-            addr16(tp, off!(skc_v6_daddr)),
-        )
-    } else {
+    let Some(addrs) = addresses(tp, family) else {
         return Ok(());
     };
     // The socket's address as a number for the state table (a probe read gives a plain value).
@@ -94,42 +85,21 @@ fn try_netns_socks(ctx: *mut c_void) -> Result<(), i64> {
         |p, o| read::<u32>(p as u64 + o),
     );
     let rec = NsSockRecord {
-        sock: SockRecord {
-            skaddr: sk,
-            inode: full.inode,
-            cookie: sk_field(tp, off!(skc_cookie)),
-            state_age_jiffies: full.state_age_jiffies,
-            saddr: bytes16(saddr),
-            daddr: bytes16(daddr),
+        sock: sock_record(
+            sk,
+            tp,
             family,
-            sport: sk_field(tp, off!(skc_num)),
-            dport: u16::from_be(sk_field(tp, off!(skc_dport))),
             state,
-            flags: full.flags,
-            uid: sk_field(tp, off!(sk_uid)),
-            rx_queue: full.queues.0,
-            tx_queue: full.queues.1,
-            last_rcv_jiffies: full.idle[0],
-            last_snd_jiffies: full.idle[1],
-            last_ack_jiffies: full.idle[2],
-            tw_entry_ms: 0,
-            _pad: 0,
-        },
+            addrs,
+            &full,
+            sk_field(tp, off!(sk_uid)),
+            0,
+        ),
         netns,
         _pad: 0,
     };
     // SAFETY: meta points at struct bpf_iter_meta whose first member is the seq_file.
     let seq = unsafe { *(meta as *const u64) };
-    // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.
-    let ret = unsafe {
-        bpf_seq_write(
-            seq as *mut _,
-            &rec as *const NsSockRecord as *const c_void,
-            core::mem::size_of::<NsSockRecord>() as u32,
-        )
-    };
-    if ret < 0 {
-        return Err(ret);
-    }
-    Ok(())
+    // SAFETY: seq is the iterator's seq_file.
+    unsafe { seq_write(seq, &rec) }
 }

@@ -229,16 +229,7 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     } else {
         (mini, 0, 0)
     };
-    let (saddr, daddr) = if family == AF_INET {
-        let s: u32 = sk_field(skc, off!(skc_rcv_saddr));
-        let d: u32 = sk_field(skc, off!(skc_daddr));
-        ([s as u64, 0], [d as u64, 0])
-    } else if family == AF_INET6 {
-        (
-            addr16(skc, off!(skc_v6_rcv_saddr)),
-            addr16(skc, off!(skc_v6_daddr)),
-        )
-    } else {
+    let Some(addrs) = addresses(skc, family) else {
         return Ok(());
     };
     // TIME_WAIT and NEW_SYN_RECV entries are mini sockets: only sock_common is valid.
@@ -261,8 +252,44 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
             sk_field(p, o)
         })
     };
-    let rec = SockRecord {
-        skaddr: sk,
+    let rec = sock_record(sk, skc, family, state, addrs, &full, uid, tw_entry_ms);
+    // SAFETY: seq is the iterator's seq_file.
+    unsafe { seq_write(seq, &rec) }
+}
+
+/// A socket's local and remote addresses from its sock_common (`skc`), as 16 bytes each;
+/// None for a family other than IPv4 and IPv6.
+#[inline(always)]
+pub(crate) fn addresses(skc: *const u8, family: u16) -> Option<([u64; 2], [u64; 2])> {
+    if family == AF_INET {
+        let s: u32 = sk_field(skc, off!(skc_rcv_saddr));
+        let d: u32 = sk_field(skc, off!(skc_daddr));
+        Some(([s as u64, 0], [d as u64, 0]))
+    } else if family == AF_INET6 {
+        Some((
+            addr16(skc, off!(skc_v6_rcv_saddr)),
+            addr16(skc, off!(skc_v6_daddr)),
+        ))
+    } else {
+        None
+    }
+}
+
+/// A socket's record: its sock_common fields (`skc`, direct loads) and what `full` read.
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn sock_record(
+    skaddr: u64,
+    skc: *const u8,
+    family: u16,
+    state: u8,
+    (saddr, daddr): ([u64; 2], [u64; 2]),
+    full: &FullSock,
+    uid: u32,
+    tw_entry_ms: u32,
+) -> SockRecord {
+    SockRecord {
+        skaddr,
         inode: full.inode,
         cookie: sk_field(skc, off!(skc_cookie)),
         state_age_jiffies: full.state_age_jiffies,
@@ -281,14 +308,22 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         last_ack_jiffies: full.idle[2],
         tw_entry_ms,
         _pad: 0,
-    };
+    }
+}
 
-    // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.
+/// Write one record to an iterator's output.
+///
+/// # Safety
+/// `seq` must be the iterator's seq_file (the first member of its context's meta).
+#[inline(always)]
+pub(crate) unsafe fn seq_write<T>(seq: u64, rec: &T) -> Result<(), i64> {
+    // SAFETY: seq is the iterator's seq_file (the caller's promise); the record is a plain
+    // value of size_of::<T>() bytes.
     let ret = unsafe {
         bpf_seq_write(
             seq as *mut _,
-            &rec as *const SockRecord as *const c_void,
-            core::mem::size_of::<SockRecord>() as u32,
+            rec as *const T as *const c_void,
+            core::mem::size_of::<T>() as u32,
         )
     };
     if ret < 0 {
@@ -342,18 +377,8 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
         fd,
         comm: bytes16(addr16(t, off!(task_comm))),
     };
-    // SAFETY: seq is the iterator's seq_file; the record is a plain stack value.
-    let ret = unsafe {
-        bpf_seq_write(
-            seq as *mut _,
-            &rec as *const OwnerRecord as *const c_void,
-            core::mem::size_of::<OwnerRecord>() as u32,
-        )
-    };
-    if ret < 0 {
-        return Err(ret);
-    }
-    Ok(())
+    // SAFETY: seq is the iterator's seq_file.
+    unsafe { seq_write(seq, &rec) }
 }
 
 /// The struct sock of a file's socket if it is a TCP candidate, else None.
