@@ -11,10 +11,11 @@ use connreap_ebpf::{KernelOffsets, NsSockRecord, IPPROTO_TCP};
 
 use crate::{
     off,
-    programs::{addresses, full_sock, inet_stream_sk, read, seq_write, sk_field, sock_record},
+    programs::{
+        addresses, full_sock, inet_stream_sk, read, seq_write, sk_field, sock_record, task_file_ctx,
+    },
 };
 
-// ctx is struct bpf_iter__task_file { meta; task; u32 fd; file; }, each member 8-byte aligned.
 #[no_mangle]
 #[link_section = "iter/task_file"]
 pub fn connreap_iter_netns_socks(ctx: *mut c_void) -> i32 {
@@ -26,14 +27,7 @@ fn try_netns_socks(ctx: *mut c_void) -> Result<(), i64> {
     if off!(valid) != KernelOffsets::MAGIC as u64 {
         return Err(-1);
     }
-    // SAFETY: the iterator context layout is fixed by the kernel's bpf_iter__task_file.
-    let (meta, file) = unsafe {
-        let words = ctx as *const u64;
-        (
-            *words,
-            *(words.add(3) as *const *mut aya_ebpf::bindings::file),
-        )
-    };
+    let (meta, _, _, file) = task_file_ctx(ctx);
     if meta == 0 || file.is_null() {
         return Ok(());
     }

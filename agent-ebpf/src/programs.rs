@@ -347,16 +347,7 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
     if off!(valid) != KernelOffsets::MAGIC as u64 {
         return Err(-1);
     }
-    // SAFETY: the iterator context layout is fixed by the kernel's bpf_iter__task_file.
-    let (meta, task, fd, file) = unsafe {
-        let words = ctx as *const u64;
-        (
-            *words,
-            *words.add(1),
-            *(words.add(2) as *const u32),
-            *(words.add(3) as *const *mut aya_ebpf::bindings::file),
-        )
-    };
+    let (meta, task, fd, file) = task_file_ctx(ctx);
     if meta == 0 || task == 0 || file.is_null() {
         return Ok(());
     }
@@ -379,6 +370,22 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
     };
     // SAFETY: seq is the iterator's seq_file.
     unsafe { seq_write(seq, &rec) }
+}
+
+/// The members of an iter/task_file context, struct bpf_iter__task_file { meta; task; u32 fd;
+/// file; }, each 8-byte aligned: (meta, task, fd, file).
+#[inline(always)]
+pub(crate) fn task_file_ctx(ctx: *mut c_void) -> (u64, u64, u32, *mut aya_ebpf::bindings::file) {
+    // SAFETY: the iterator context layout is fixed by the kernel's bpf_iter__task_file.
+    unsafe {
+        let words = ctx as *const u64;
+        (
+            *words,
+            *words.add(1),
+            *(words.add(2) as *const u32),
+            *(words.add(3) as *const *mut aya_ebpf::bindings::file),
+        )
+    }
 }
 
 /// The struct sock of a file's socket if it is a TCP candidate, else None.

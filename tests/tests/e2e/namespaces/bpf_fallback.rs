@@ -12,12 +12,12 @@ use connreap_tests::{
     harness::{
         addr, alive,
         audit::{assert_decision_shape, result_is, text},
-        require_privileges, wait_until, Agent, TempDir, FINDING, HTTP, PEER_COMM, POLL, SCAN,
+        require_privileges, wait_until, Agent, TempDir, FINDING, HTTP, POLL, SCAN,
     },
 };
 use serde_json::{json, Value};
 
-use super::{assert_names_netns, host_config, host_receiver, Pod, LEAKED, PORT};
+use super::{assert_names_netns, close_wait_policy, host_config, host_receiver, Pod, LEAKED, PORT};
 
 /// What /healthz and the audit lines call the fallback.
 const BPF_MECHANISM: &str = "bpf-sock-destroy";
@@ -36,15 +36,7 @@ fn bpf_sock_destroy_fallback_reclaims_in_another_namespace_only() {
     assert_eq!((a_before.len(), b_before.len()), (LEAKED, LEAKED));
 
     // comm, port and state match both namespaces' leaks: only `netns` tells them apart.
-    let policy = format!(
-        r#"[[policy]]
-name = "fallback-in-a"
-mode = "enforce"
-trigger = "always"
-select = {{ netns = "{}", comm = "{PEER_COMM}", local_port = {PORT}, states = ["CLOSE_WAIT"] }}
-"#,
-        a.name()
-    );
+    let policy = close_wait_policy("fallback-in-a", &format!("netns = \"{}\"", a.name()));
     let dir = TempDir::new("ns-bpf-fallback");
     let hook = host_receiver();
     let config = host_config(&dir, &hook)

@@ -28,7 +28,7 @@ use connreap_tests::{
         addr,
         alerts::describe,
         containers::{cgroup2_root, FakeContainer},
-        program, wait_until, Agent, Child, Config, NetNs, TempDir, FINDING, HTTP, POLL,
+        program, wait_until, Agent, Child, Config, NetNs, TempDir, FINDING, HTTP, PEER_COMM, POLL,
         READY_TIMEOUT, TESTPEER,
     },
 };
@@ -182,6 +182,21 @@ impl Pod {
             self.pid()
         )
     }
+}
+
+/// An enforcing `[[policy]]` named `name` that always runs and kills the CLOSE_WAIT of the
+/// pods' server ([`PEER_COMM`] on [`PORT`]) matching `scope` too (`netns = "..."`,
+/// `container = "..."`): comm, port and state match every pod's leak, so only `scope` tells
+/// them apart.
+fn close_wait_policy(name: &str, scope: &str) -> String {
+    format!(
+        r#"[[policy]]
+name = "{name}"
+mode = "enforce"
+trigger = "always"
+select = {{ {scope}, comm = "{PEER_COMM}", local_port = {PORT}, states = ["CLOSE_WAIT"] }}
+"#
+    )
 }
 
 /// A webhook receiver in the host's namespace, on a free port.

@@ -6,12 +6,14 @@ use connreap_tests::harness::{
     alive,
     audit::{assert_decision_shape, result_is, text},
     containers::FakeContainer,
-    require_privileges, wait_until, Agent, TempDir, PEER_COMM, POLL, SCAN,
+    require_privileges, wait_until, Agent, TempDir, POLL, SCAN,
 };
 use connreap_tests::{fixtures::http::connect, harness::addr, harness::HTTP};
 use serde_json::json;
 
-use super::{assert_names_pod, cgroups, host_config, host_receiver, Pod, LEAKED, PORT};
+use super::{
+    assert_names_pod, cgroups, close_wait_policy, host_config, host_receiver, Pod, LEAKED, PORT,
+};
 
 #[test]
 fn policy_scoped_to_one_container() {
@@ -27,14 +29,9 @@ fn policy_scoped_to_one_container() {
     let a_before = a.close_wait_pairs();
     assert_eq!((a_before.len(), b_before.len()), (LEAKED, LEAKED));
 
-    let policy = format!(
-        r#"[[policy]]
-name = "only-a"
-mode = "enforce"
-trigger = "always"
-select = {{ container = "{}", comm = "{PEER_COMM}", local_port = {PORT}, states = ["CLOSE_WAIT"] }}
-"#,
-        a.container().short()
+    let policy = close_wait_policy(
+        "only-a",
+        &format!("container = \"{}\"", a.container().short()),
     );
     let dir = TempDir::new("ns-scope");
     let hook = host_receiver();
