@@ -98,13 +98,13 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
         let counters = scanner.kernel.counters()?;
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         // Compact, streamed in rounds: no intermediate JSON tree for 100k sockets.
-        let mut w = std::io::BufWriter::new(std::io::stdout().lock());
+        let mut w = std::io::BufWriter::with_capacity(1 << 16, stdout_file()?);
         snapshot::write_snapshot_json(&mut w, &selected, &groups, &counters, threads)?;
         std::io::Write::write_all(&mut w, b"\n")?;
         std::io::Write::flush(&mut w)?;
     } else {
         let text = snapshot::render_table(&selected, &groups);
-        std::io::Write::write_all(&mut std::io::stdout().lock(), text.as_bytes())?;
+        std::io::Write::write_all(&mut stdout_file()?, text.as_bytes())?;
     }
     // Where a snapshot's time goes (`RUST_LOG=connreap::snapshot=debug`; the benchmarks read it).
     tracing::debug!(
@@ -114,7 +114,18 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
         output_us = (t0.elapsed() - scanned).as_micros() as u64,
         "snapshot"
     );
+    // The process ends here: freeing 100k rows one by one would only delay the exit.
+    std::mem::forget(selected);
+    std::mem::forget(table);
     Ok(())
+}
+
+/// Standard output as a plain file (a duplicate of fd 1): `std::io::stdout()` is line
+/// buffered and searches every write for a newline, which for megabytes of one-line JSON
+/// costs a scan of all of it.
+fn stdout_file() -> std::io::Result<std::fs::File> {
+    use std::os::fd::AsFd as _;
+    Ok(std::io::stdout().as_fd().try_clone_to_owned()?.into())
 }
 
 fn run(

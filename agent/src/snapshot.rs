@@ -146,10 +146,15 @@ pub fn to_json_writer<W: std::io::Write, T: Serialize>(w: W, v: &T) -> serde_jso
     ))
 }
 
+/// Bytes reserved per JSON socket row: above a row's usual length (about 390 bytes with an
+/// owner and its namespace, more with a container), so a buffer of rows is never grown (and
+/// copied) while it is written; pages reserved and not written cost no memory.
+const ROW_BYTES: usize = 512;
+
 /// `{"count":N,"sockets":[..]}` (GET /v1/sockets): rows written straight into the buffer, no
 /// JSON value tree (which took ten times the table's memory for the length of a request).
 pub fn socket_list_json(sockets: &[&Socket]) -> serde_json::Result<Vec<u8>> {
-    let mut out = Vec::with_capacity(32 + sockets.len() * 360);
+    let mut out = Vec::with_capacity(32 + sockets.len() * ROW_BYTES);
     out.extend_from_slice(b"{\"count\":");
     out.extend_from_slice(itoa::Buffer::new().format(sockets.len()).as_bytes());
     out.extend_from_slice(b",\"sockets\":[");
@@ -174,7 +179,7 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     const MIN_ROWS: usize = 1024;
     let threads = threads.max(1);
     let render = |rows: &[&Socket]| -> serde_json::Result<Vec<u8>> {
-        let mut out = Vec::with_capacity(rows.len() * 360);
+        let mut out = Vec::with_capacity(rows.len() * ROW_BYTES);
         row::write_rows(&mut out, rows)?;
         Ok(out)
     };

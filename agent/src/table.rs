@@ -333,7 +333,14 @@ fn opt_ms(ms: u64) -> Option<Duration> {
 
 impl Socket {
     /// A socket with no owner, no timers and a zero age (tests and fixtures fill in the rest).
+    #[cfg(test)]
     pub fn new(local: Endpoint, peer: Endpoint, state: TcpState) -> Self {
+        Self::in_netns(local, peer, state, Netns::unknown())
+    }
+
+    /// [`Socket::new`] in `netns` (the table builder: no placeholder namespace to take and
+    /// drop again per row).
+    pub fn in_netns(local: Endpoint, peer: Endpoint, state: TcpState, netns: Arc<Netns>) -> Self {
         Socket {
             skaddr: 0,
             inode: 0,
@@ -355,7 +362,7 @@ impl Socket {
             direction: Direction::Outbound,
             age_exact: true,
             keepalive: false,
-            netns: Netns::unknown(),
+            netns,
         }
     }
     pub fn pid(&self) -> Option<u32> {

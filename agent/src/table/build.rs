@@ -248,10 +248,11 @@ impl<'a> TableBuilder<'a> {
         if state == TcpState::Listen {
             self.parts[part].listening.insert(s.sport);
         }
-        let mut sock = Socket::new(
+        let mut sock = Socket::in_netns(
             addr(s.family, &s.saddr, s.sport),
             addr(s.family, &s.daddr, s.dport),
             state,
+            self.parts[part].netns.clone(),
         );
         sock.skaddr = s.skaddr;
         sock.inode = s.inode;
@@ -265,7 +266,6 @@ impl<'a> TableBuilder<'a> {
         sock.tx_queue = s.tx_queue;
         sock.uid = s.uid;
         sock.keepalive = s.flags & sock_flags::KEEPALIVE != 0;
-        sock.netns = self.parts[part].netns.clone();
         self.row_part.push(part as u32);
         self.table.push(sock);
     }
