@@ -3,10 +3,7 @@
 //! flaky network, a peer host powered off), this host sees only its own end: ESTABLISHED,
 //! queues empty, idle for a long time. Without TCP keepalive or an application heartbeat the
 //! kernel never finds out, and the socket stays forever.
-use std::{
-    collections::BTreeMap,
-    net::{IpAddr, SocketAddr},
-};
+use std::{collections::BTreeMap, net::IpAddr};
 
 use rustc_hash::FxHashSet;
 use serde::Serialize;
@@ -15,7 +12,7 @@ use super::{describe_owners, oldest_briefs, owner_identity, processes, Finding, 
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
-    table::{canon, Direction, Socket, TcpState},
+    table::{ConnKey, Direction, Socket, TcpState},
 };
 
 /// At most this many peers are listed in a finding.
@@ -44,20 +41,16 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
     // table looks for the candidates' other ends (only reached when there are enough
     // candidates to fire). The other end is looked for in the socket's own namespace only, as
     // `local_pairs` pairs them; groups are per namespace too.
-    type Tuple = (u32, SocketAddr, SocketAddr);
-    let other_ends: FxHashSet<Tuple> = candidates
-        .iter()
-        .map(|s| (s.netns.inode, canon(s.peer), canon(s.local)))
-        .collect();
-    let local: FxHashSet<Tuple> = table
+    let other_ends: FxHashSet<ConnKey> = candidates.iter().map(|s| ConnKey::other_end(s)).collect();
+    let local: FxHashSet<ConnKey> = table
         .iter()
         .filter(|s| s.state != TcpState::Listen)
-        .map(|s| (s.netns.inode, canon(s.local), canon(s.peer)))
+        .map(ConnKey::of)
         .filter(|t| other_ends.contains(t))
         .collect();
     let mut groups: BTreeMap<(u32, Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
     for s in candidates {
-        if !local.contains(&(s.netns.inode, canon(s.peer), canon(s.local))) {
+        if !local.contains(&ConnKey::other_end(s)) {
             groups
                 .entry((s.netns.inode, s.pid(), s.service_port))
                 .or_default()

@@ -1,5 +1,5 @@
 //! Local connection pairs (both ends on this host) and stuck_established_pairs.
-use std::{collections::BTreeMap, net::SocketAddr};
+use std::collections::BTreeMap;
 
 use rustc_hash::FxHashMap;
 
@@ -7,7 +7,7 @@ use super::{describe_owners, oldest_briefs, owner_identity, Finding, Kind, Proce
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
-    table::{canon, Direction, Socket, TcpState},
+    table::{ConnKey, Direction, Socket, TcpState},
 };
 
 /// Both ends of one connection, each a socket on this host.
@@ -32,17 +32,17 @@ where
     I::IntoIter: Clone,
 {
     let socks = socks.into_iter();
-    let by_tuple: FxHashMap<(u32, SocketAddr, SocketAddr), &Socket> = socks
+    let by_tuple: FxHashMap<ConnKey, &Socket> = socks
         .clone()
         .filter(|s| s.state != TcpState::Listen)
-        .map(|s| ((s.netns.inode, canon(s.local), canon(s.peer)), s))
+        .map(|s| (ConnKey::of(s), s))
         .collect();
     let mut out = Vec::new();
     for s in socks {
         if s.state == TcpState::Listen || s.direction == Direction::Inbound {
             continue;
         }
-        if let Some(other) = by_tuple.get(&(s.netns.inode, canon(s.peer), canon(s.local))) {
+        if let Some(other) = by_tuple.get(&ConnKey::other_end(s)) {
             if other.direction == Direction::Inbound || s.local.port() > other.local.port() {
                 out.push(Pair {
                     client: s,

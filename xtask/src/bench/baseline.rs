@@ -1,6 +1,7 @@
-//! Measure 3 against an older connreap (`--baseline PATH`, or `--baseline-commit REV` to build
-//! one): both binaries' snapshots of the same sockets, alternated in one run, so a regression is
-//! a ratio measured side by side rather than a comparison with a run from another time.
+//! Measures 3 and 6 against an older connreap (`--baseline PATH`, or `--baseline-commit REV` to
+//! build one): both binaries' snapshots of the same sockets, alternated in one run, so a
+//! regression is a ratio measured side by side rather than a comparison with a run from another
+//! time; and both as daemons over those sockets ([`daemon`]).
 //!
 //! The current binary runs as measure 3 runs it (`snapshot --json --netns host`: its own
 //! namespace alone); an older one may know no `--netns` and only ever dumped its own namespace,
@@ -14,6 +15,9 @@ use std::{
 };
 
 use anyhow::{bail, Context, Result};
+
+mod daemon;
+pub use daemon::daemon_row;
 
 use super::{
     proc::{self, Timed},

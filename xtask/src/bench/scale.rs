@@ -203,6 +203,18 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
                 )
             }));
         }
+        if let (Some(b), Some(p), true) = (&base, &pins, i == last) {
+            rows.push(
+                baseline::daemon_row(ctx, &h, tag, holders.sockets, b, p).unwrap_or_else(|e| {
+                    eprintln!("bench: the baseline daemon comparison failed: {e:#}");
+                    Row::failed(
+                        "6",
+                        &format!("daemon CPU per scan ({tag}) vs baseline {}", b.label),
+                        &e,
+                    )
+                }),
+            );
+        }
         // The baseline's tracker goes before the daemon measures.
         drop(pins);
         if i == last {

@@ -1,0 +1,146 @@
+//! Measure 6 against the baseline: the daemon's CPU per scan, the current and the baseline
+//! daemon run one at a time in the holders' namespace, in alternated windows (ABBA blocks, as
+//! measure 3's snapshots), so the VM's drift between windows falls on both alike.
+//!
+//! Both daemons run with the same config (the scan interval alone, every other setting at its
+//! default), the baseline with its own pin root and API port. CPU is the daemon's user + system
+//! time from `/proc/PID/stat` over the window, divided by the scans its `/metrics` counted.
+use std::{path::Path, time::Duration};
+
+use anyhow::{bail, Result};
+
+use super::{judge, order, Baseline, Pins, PIN_ROOT, TARGET};
+use crate::bench::{
+    agent::{Daemon, Side},
+    proc,
+    report::{ms, Row, Verdict},
+    sys::{self, NsHandle},
+    Ctx,
+};
+
+/// The baseline daemon's API (the current one uses the bench's usual port).
+const BASE_LISTEN: &str = "127.0.0.1:9481";
+
+/// CPU per scan of one daemon over one window, started and stopped for it.
+fn window(
+    ctx: &Ctx,
+    h: &NsHandle,
+    base: Option<&Baseline>,
+    tag: &str,
+    (interval, secs): (f64, f64),
+) -> Result<Duration> {
+    let scan_interval = format!("{interval}s");
+    let mut d = match base {
+        None => Daemon::start(h, &ctx.dir, tag, &scan_interval, "")?,
+        Some(b) => Daemon::start_side(
+            h,
+            &ctx.dir,
+            tag,
+            &scan_interval,
+            &Side {
+                bin: b.bin.clone(),
+                listen: BASE_LISTEN,
+                pin_root: Path::new(PIN_ROOT),
+            },
+        )?,
+    };
+    // The first scans set up what later scans reuse (first-seen times, owners' facts).
+    d.wait_scans(2.0, Duration::from_secs(120))?;
+    let (u0, s0) = proc::cpu_times(d.pid())?;
+    let m0 = d.scrape()?;
+    sys::sleep(Duration::from_secs_f64(secs))?;
+    let (u1, s1) = proc::cpu_times(d.pid())?;
+    let m1 = d.scrape()?;
+    drop(d);
+    let scans = m1.scans() - m0.scans();
+    if scans < 1.0 {
+        bail!("daemon ({tag}) completed no scan in {secs} s");
+    }
+    Ok((u1 + s1).saturating_sub(u0 + s0).div_f64(scans))
+}
+
+fn median(mut v: Vec<Duration>) -> Duration {
+    v.sort();
+    v[v.len() / 2]
+}
+
+/// The row "daemon CPU per scan @ N sockets vs baseline LABEL" (measure 6), in the namespace of
+/// `h` where the holders keep `held` sockets, with the baseline's tracker pinned (`_pins`).
+pub fn daemon_row(
+    ctx: &Ctx,
+    h: &NsHandle,
+    tag: &str,
+    held: usize,
+    b: &Baseline,
+    _pins: &Pins,
+) -> Result<Row> {
+    // (scan interval, window) in seconds; ABBA blocks.
+    let (timing, blocks) = if ctx.smoke {
+        ((1.0, 4.0), 1)
+    } else {
+        ((5.0, 30.0), 2)
+    };
+    let (mut cur, mut base) = (Vec::new(), Vec::new());
+    let mut block_ratios = Vec::new();
+    for (k, block) in order(blocks).chunks(4).enumerate() {
+        let (mut sc, mut sb) = (Duration::ZERO, Duration::ZERO);
+        for (j, &is_current) in block.iter().enumerate() {
+            let name = format!(
+                "cpu-{k}-{j}-{}",
+                if is_current { "current" } else { "baseline" }
+            );
+            let side = (!is_current).then_some(b);
+            let t = window(ctx, h, side, &name, timing)?;
+            if is_current {
+                sc += t;
+                cur.push(t);
+            } else {
+                sb += t;
+                base.push(t);
+            }
+        }
+        block_ratios.push(sc.as_secs_f64() / sb.as_secs_f64().max(1e-9));
+    }
+    let each = |v: &[Duration]| v.iter().map(|t| ms(*t)).collect::<Vec<_>>().join(", ");
+    let details = vec![format!(
+        "Each daemon started for its window in the holders' namespace (`scan_interval = \
+         \"{}s\"`, the rest default; the baseline with CONNREAP_PIN_ROOT={PIN_ROOT} and its API \
+         on {BASE_LISTEN}), 2 scans of warm-up, then {} s; CPU (user + sys, /proc/PID/stat) \
+         per scan counted by its /metrics. {blocks} alternated ABBA block(s). Windows, current: \
+         {}; baseline {}: {}. Each block's ratio: {}.",
+        timing.0,
+        timing.1,
+        each(&cur),
+        b.label,
+        each(&base),
+        block_ratios
+            .iter()
+            .map(|x| format!("{x:.3}"))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )];
+    let (c, bm) = (median(cur), median(base));
+    let (r, verdict) = judge(c, bm);
+    Ok(Row {
+        id: "6",
+        name: format!(
+            "daemon CPU per scan @ {held} idle sockets ({tag}) vs baseline {}",
+            b.label
+        ),
+        result: format!("{r:.3}×"),
+        figures: format!(
+            "current {} vs baseline {} CPU per scan (medians of {} windows each)",
+            ms(c),
+            ms(bm),
+            2 * blocks
+        ),
+        target: format!("≤ {TARGET}×"),
+        verdict,
+        diagnosis: if verdict == Verdict::Pass {
+            vec![]
+        } else {
+            details.clone()
+        },
+        details,
+    })
+}
