@@ -57,10 +57,11 @@ pub struct BenchArgs {
     /// the report).
     #[arg(long, default_value_t = 600)]
     wait_quiet: u64,
-    /// Also time this connreap binary (built from an older commit) in measure 3, alternated
-    /// with the current one on the same sockets: a row per size with the ratio
-    /// current/baseline (target ≤ 1.05×). Its tracker is pinned under
-    /// /sys/fs/bpf/connreap-baseline, removed at the end.
+    /// Also time this connreap binary (built from an older commit) in measures 3 and 6,
+    /// alternated with the current one on the same sockets: a row per size with the ratio of
+    /// snapshot times current/baseline, and one of daemon CPU per scan at the largest size
+    /// (targets ≤ 1.05×). Its tracker is pinned under /sys/fs/bpf/connreap-baseline, removed
+    /// at the end.
     #[arg(
         long,
         value_name = "PATH",
@@ -353,7 +354,7 @@ fn prepare(args: &BenchArgs) -> Result<(PathBuf, String, Option<baseline::Baseli
     }
     let base = baseline::resolve(args, &dir)?;
     if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) {
-        eprintln!("bench: warning: the baseline is only used by measure 3, not selected");
+        eprintln!("bench: warning: the baseline is only used by measures 3 and 6 (run with measure 3), not selected");
     }
     Ok((dir, built, base))
 }

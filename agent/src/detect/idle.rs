@@ -3,9 +3,12 @@
 //! flaky network, a peer host powered off), this host sees only its own end: ESTABLISHED,
 //! queues empty, idle for a long time. Without TCP keepalive or an application heartbeat the
 //! kernel never finds out, and the socket stays forever.
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{
+    collections::{hash_map::Entry, BTreeMap},
+    net::IpAddr,
+};
 
-use rustc_hash::FxHashSet;
+use rustc_hash::FxHashMap;
 use serde::Serialize;
 
 use super::{describe_owners, oldest_briefs, owner_identity, processes, Finding, Kind};
@@ -41,21 +44,34 @@ pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
     // table looks for the candidates' other ends (only reached when there are enough
     // candidates to fire). The other end is looked for in the socket's own namespace only, as
     // `local_pairs` pairs them; groups are per namespace too.
-    let other_ends: FxHashSet<ConnKey> = candidates.iter().map(|s| ConnKey::other_end(s)).collect();
-    let local: FxHashSet<ConnKey> = table
-        .iter()
-        .filter(|s| s.state != TcpState::Listen)
-        .map(ConnKey::of)
-        .filter(|t| other_ends.contains(t))
-        .collect();
-    let mut groups: BTreeMap<(u32, Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
-    for s in candidates {
-        if !local.contains(&ConnKey::other_end(s)) {
-            groups
-                .entry((s.netns.inode, s.pid(), s.service_port))
-                .or_default()
-                .push(s);
+    // Each candidate's other end, as the other end would key itself; a duplicate (two rows of
+    // one connection end) shares its first's verdict.
+    let mut other_ends: FxHashMap<ConnKey, usize> =
+        FxHashMap::with_capacity_and_hasher(candidates.len(), Default::default());
+    let mut dups: Vec<(usize, usize)> = Vec::new();
+    for (i, s) in candidates.iter().enumerate() {
+        match other_ends.entry(ConnKey::other_end(s)) {
+            Entry::Occupied(first) => dups.push((i, *first.get())),
+            Entry::Vacant(e) => {
+                e.insert(i);
+            }
         }
+    }
+    let mut paired = vec![false; candidates.len()];
+    for t in table.iter().filter(|s| s.state != TcpState::Listen) {
+        if let Some(&i) = other_ends.get(&ConnKey::of(t)) {
+            paired[i] = true;
+        }
+    }
+    for (i, first) in dups {
+        paired[i] = paired[first];
+    }
+    let mut groups: BTreeMap<(u32, Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
+    for (s, _) in candidates.iter().zip(&paired).filter(|(_, &p)| !p) {
+        groups
+            .entry((s.netns.inode, s.pid(), s.service_port))
+            .or_default()
+            .push(s);
     }
     groups
         .into_iter()
@@ -244,8 +260,16 @@ mod tests {
         );
         client.skaddr = 1;
         client.direction = Direction::Outbound;
-        t.push(client);
+        t.push(client.clone());
         assert!(detect(&t, &cfg).is_empty());
+        // Two rows of that end (the same connection end twice): both left out.
+        let mut t = ghosts(65, 8, 700);
+        let mut twin = t[0].clone();
+        twin.skaddr = 999;
+        t[64] = twin;
+        assert_eq!(detect(&t, &cfg)[0].count, 65);
+        t.push(client);
+        assert!(detect(&t, &cfg).is_empty(), "63 left: under the threshold");
     }
 
     /// The other end of a connection is looked for in the socket's namespace only: a socket

@@ -203,18 +203,6 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
                 )
             }));
         }
-        if let (Some(b), Some(p), true) = (&base, &pins, i == last) {
-            rows.push(
-                baseline::daemon_row(ctx, &h, tag, holders.sockets, b, p).unwrap_or_else(|e| {
-                    eprintln!("bench: the baseline daemon comparison failed: {e:#}");
-                    Row::failed(
-                        "6",
-                        &format!("daemon CPU per scan ({tag}) vs baseline {}", b.label),
-                        &e,
-                    )
-                }),
-            );
-        }
         // The baseline's tracker goes before the daemon measures.
         drop(pins);
         if i == last {
@@ -222,6 +210,18 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
         }
         drop(holders);
         drop(ns);
+    }
+    // The daemons side by side on a host of one namespace: the bench's own, with the largest
+    // size's sockets held there (the namespaces above are gone).
+    if let (Some(b), Some((tag, per))) = (ctx.baseline.clone(), sizes.last()) {
+        rows.push(baseline::daemon_row(ctx, tag, per, &b).unwrap_or_else(|e| {
+            eprintln!("bench: the baseline daemon comparison failed: {e:#}");
+            Row::failed(
+                "6",
+                &format!("daemon CPU per scan ({tag}) vs baseline {}", b.label),
+                &e,
+            )
+        }));
     }
     Ok(rows)
 }
