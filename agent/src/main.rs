@@ -123,9 +123,14 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
 /// Standard output as a plain file (a duplicate of fd 1): `std::io::stdout()` is line
 /// buffered and searches every write for a newline, which for megabytes of one-line JSON
 /// costs a scan of all of it.
-fn stdout_file() -> std::io::Result<std::fs::File> {
+fn stdout_file() -> anyhow::Result<std::fs::File> {
+    use anyhow::Context as _;
     use std::os::fd::AsFd as _;
-    Ok(std::io::stdout().as_fd().try_clone_to_owned()?.into())
+    let fd = std::io::stdout()
+        .as_fd()
+        .try_clone_to_owned()
+        .context("standard output (fd 1) is not open")?;
+    Ok(fd.into())
 }
 
 fn run(
