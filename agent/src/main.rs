@@ -25,6 +25,8 @@ mod webhook;
 
 use std::{process::ExitCode, time::Duration};
 
+use anyhow::Context as _;
+
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
@@ -94,18 +96,30 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
         &selected,
         filter.idle_min.unwrap_or(Duration::from_secs(30)),
     );
-    if json {
-        let counters = scanner.kernel.counters()?;
-        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        // Compact, streamed in rounds: no intermediate JSON tree for 100k sockets.
-        let mut w = std::io::BufWriter::with_capacity(1 << 16, stdout_file()?);
-        snapshot::write_snapshot_json(&mut w, &selected, &groups, &counters, threads)?;
-        std::io::Write::write_all(&mut w, b"\n")?;
-        std::io::Write::flush(&mut w)?;
+    let counters = if json {
+        Some(scanner.kernel.counters()?)
     } else {
-        let text = snapshot::render_table(&selected, &groups);
-        std::io::Write::write_all(&mut stdout_file()?, text.as_bytes())?;
-    }
+        None
+    };
+    let written = (|| -> std::io::Result<()> {
+        let mut out = stdout_file()?;
+        match &counters {
+            Some(counters) => {
+                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+                // Compact, streamed in rounds: no intermediate JSON tree for 100k sockets.
+                let mut w = std::io::BufWriter::with_capacity(1 << 16, out);
+                snapshot::write_snapshot_json(&mut w, &selected, &groups, counters, threads)?;
+                std::io::Write::write_all(&mut w, b"\n")?;
+                std::io::Write::flush(&mut w)
+            }
+            None => {
+                let text = snapshot::render_table(&selected, &groups);
+                std::io::Write::write_all(&mut out, text.as_bytes())
+            }
+        }
+    })();
+    // A reader that stopped early (`connreap snapshot | head`) is told apart by `main`.
+    written.context("writing the snapshot to standard output")?;
     // Where a snapshot's time goes (`RUST_LOG=connreap::snapshot=debug`; the benchmarks read it).
     tracing::debug!(
         target: "connreap::snapshot",
@@ -123,14 +137,9 @@ fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow:
 /// Standard output as a plain file (a duplicate of fd 1): `std::io::stdout()` is line
 /// buffered and searches every write for a newline, which for megabytes of one-line JSON
 /// costs a scan of all of it.
-fn stdout_file() -> anyhow::Result<std::fs::File> {
-    use anyhow::Context as _;
+fn stdout_file() -> std::io::Result<std::fs::File> {
     use std::os::fd::AsFd as _;
-    let fd = std::io::stdout()
-        .as_fd()
-        .try_clone_to_owned()
-        .context("standard output (fd 1) is not open")?;
-    Ok(fd.into())
+    Ok(std::io::stdout().as_fd().try_clone_to_owned()?.into())
 }
 
 fn run(

@@ -68,3 +68,45 @@ fn a_reader_that_stops_early_is_no_error() {
         );
     }
 }
+
+/// A full disk under the output (`connreap snapshot > /dev/full`): a failed exit and one line
+/// naming where the write went, in both output formats.
+#[test]
+fn a_full_output_device_is_a_named_error() {
+    use std::process::Stdio;
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let ns = NetNs::new("full");
+    let (_server, _) = peer(&ns, &["listen", "--addr", "127.0.0.1:7701"]);
+    for args in [&["snapshot"][..], &["snapshot", "--json"]] {
+        let full = std::fs::OpenOptions::new()
+            .write(true)
+            .open("/dev/full")
+            .expect("open /dev/full");
+        let out = ns
+            .connreap(args)
+            .stdin(Stdio::null())
+            .stdout(Stdio::from(full))
+            .stderr(Stdio::piped())
+            .output()
+            .expect("run connreap");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        let ctx = format!(
+            "connreap {} > /dev/full: {}\n{stderr}",
+            args.join(" "),
+            out.status
+        );
+        assert!(
+            out.status.code().is_some_and(|c| c != 0),
+            "must exit non-zero: {ctx}"
+        );
+        assert!(!stderr.contains("panicked"), "{ctx}");
+        let last = stderr.trim().lines().last().unwrap_or_default();
+        assert!(
+            last.starts_with("connreap: writing the snapshot to standard output: ")
+                && last.contains("No space left on device"),
+            "must name the output and the cause: {ctx}"
+        );
+    }
+}
