@@ -374,7 +374,7 @@ pub struct SockRecord {
     pub _pad: u32,
 }
 
-/// One (socket, process) pair from the `iter/task_file` dump.
+/// One (socket, process) pair from the `iter/task_file` dumps.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OwnerRecord {
@@ -382,19 +382,23 @@ pub struct OwnerRecord {
     pub tgid: u32,
     pub fd: u32,
     pub comm: [u8; 16],
+    /// In the dump of `connreap_iter_netns_socks`: the inode of the socket's network namespace
+    /// (`net.ns.inum`, what `/proc/<pid>/ns/net` names) when it is a TCP socket of another
+    /// namespace than the reader's, and then the socket's record follows this one (the pair is
+    /// a [`HeldElsewhere`]); else 0, as always in `connreap_iter_task_file`'s dump.
+    pub netns: u32,
+    pub _pad: u32,
 }
 
-/// One socket of a network namespace other than the reader's, from the `iter/task_file` dump
-/// of sockets held by a process (`connreap_iter_netns_socks`): the socket's record as iter/tcp
-/// would give it, and its namespace's inode. One record per file holding it (a socket shared by
+/// A TCP socket a process holds in a network namespace other than the reader's, from the
+/// `iter/task_file` dump of `connreap_iter_netns_socks`: its owner (with `owner.netns` set) and
+/// the socket's record as iter/tcp would give it. One per file holding it (a socket shared by
 /// several descriptors comes once per descriptor).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct NsSockRecord {
+pub struct HeldElsewhere {
+    pub owner: OwnerRecord,
     pub sock: SockRecord,
-    /// The namespace's inode (`net.ns.inum`, what `/proc/<pid>/ns/net` names).
-    pub netns: u32,
-    pub _pad: u32,
 }
 
 #[cfg(feature = "user")]
@@ -415,7 +419,7 @@ mod pod {
         TransitionEvent,
         SockRecord,
         OwnerRecord,
-        NsSockRecord,
+        HeldElsewhere,
         DestroyRequest,
         EventBatch
     );
@@ -429,7 +433,7 @@ const _: () = assert!(core::mem::size_of::<EventBatch>() == 32 + 80 * EVENT_BATC
 const _: () = assert!(EVENT_BATCH.is_power_of_two());
 const _: () = assert!(STATE_WAYS.is_power_of_two());
 const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 48) * STATE_WAYS);
-const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 32);
-const _: () = assert!(core::mem::size_of::<NsSockRecord>() == 112);
+const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 40);
+const _: () = assert!(core::mem::size_of::<HeldElsewhere>() == 40 + 104);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
 const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 38 * 4);

@@ -1,5 +1,6 @@
 //! The maps and shared helpers, and the two dump programs: an `iter/tcp` dump of the socket
-//! table and an `iter/task_file` dump of socket owners (the state tracker is in `tracker.rs`).
+//! table and an `iter/task_file` dump of socket owners (the state tracker is in `tracker.rs`,
+//! the owner dump that also reads other namespaces' sockets in `netns_socks.rs`).
 //! Each program is a thin entry that calls a `try_*` function. Kernel memory is read at offsets
 //! the loader resolved from the running kernel's BTF (`CONNREAP_OFFSETS`), never at build-time
 //! offsets: by direct loads through trusted BTF pointers where the verifier can check them, by
@@ -361,15 +362,22 @@ fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
     };
     // SAFETY: meta points at struct bpf_iter_meta whose first member is the seq_file.
     let seq = unsafe { *(meta as *const u64) };
+    // SAFETY: seq is the iterator's seq_file.
+    unsafe { seq_write(seq, &owner_record(sk, task, fd)) }
+}
+
+/// The owner record of socket `sk` held by `task` at `fd` (`netns` 0: no socket record follows).
+#[inline(always)]
+pub(crate) fn owner_record(sk: u64, task: u64, fd: u32) -> OwnerRecord {
     let t = task as *const u8;
-    let rec = OwnerRecord {
+    OwnerRecord {
         skaddr: sk,
         tgid: sk_field(t, off!(task_tgid)),
         fd,
         comm: bytes16(addr16(t, off!(task_comm))),
-    };
-    // SAFETY: seq is the iterator's seq_file.
-    unsafe { seq_write(seq, &rec) }
+        netns: 0,
+        _pad: 0,
+    }
 }
 
 /// The members of an iter/task_file context, struct bpf_iter__task_file { meta; task; u32 fd;

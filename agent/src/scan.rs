@@ -14,7 +14,7 @@ use crate::{
     kernel::{
         self,
         netns::{self, Namespace},
-        procfs, Kernel, KernelError, NsEvent,
+        procfs, Kernel, KernelError, NsEvent, Owned,
     },
     table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
@@ -181,28 +181,28 @@ impl Scanner {
                 b.push(&r)
             }
         };
-        let (mut all, owners, held) = if parallel {
+        let (mut all, owners, elsewhere) = if parallel {
             let (sockets, owners) = self
                 .kernel
                 .for_each_both(&to_walk, on_socket, |o| holders.push(&o))?;
-            (sockets, owners, kernel::Dump::default())
+            (sockets, owners, None)
         } else {
             let sockets = self.kernel.for_each_socket(&to_walk, on_socket)?;
-            let held = between_walks(
+            let (owners, elsewhere) = owners_and_between(
                 &mut self.kernel,
                 &self.walks,
                 &between,
                 &mut b,
+                &mut holders,
                 start_ns,
                 self.host.hz,
             )?;
-            let owners = self.kernel.for_each_owner(|o| holders.push(&o))?;
-            (sockets, owners, held)
+            (sockets, owners, elsewhere)
         };
         self.walks.observe_walks(all.others, all.others_in_kernel);
-        self.walks.observe_owner(owners.in_kernel);
-        if held.records > 0 || !between.is_empty() {
-            self.walks.observe_held(held.in_kernel);
+        match elsewhere {
+            None => self.walks.observe_owner(owners.in_kernel),
+            Some(_) => self.walks.observe_owner_and_elsewhere(owners.in_kernel),
         }
         let walked_count = all.namespaces;
         all.namespaces += between.len();
@@ -255,8 +255,9 @@ impl Scanner {
         self.last_len = table.len();
         // Where a scan's time goes, for `RUST_LOG=connreap::scan=debug` and the benchmarks:
         // each dump's time in the kernel (the iterator producing records) and in total (plus
-        // decoding them here), both dumps' wall time (their sum, or the longer one in a
-        // parallel scan), then the merge.
+        // decoding them here; the owner dump's includes reading the sockets of the namespaces
+        // between their walks when there are some), both dumps' wall time (their sum, or the
+        // longer one in a parallel scan), then the merge.
         let us = |d: Duration| d.as_micros() as u64;
         tracing::debug!(
             namespaces = all.namespaces,
@@ -268,9 +269,8 @@ impl Scanner {
             socket_dump_us = us(sockets.total),
             owner_dump_kernel_us = us(owners.in_kernel),
             owner_dump_us = us(owners.total),
-            held_elsewhere = held.records,
-            held_elsewhere_kernel_us = us(held.in_kernel),
-            held_elsewhere_us = us(held.total),
+            owner_dump_reads_elsewhere = elsewhere.is_some(),
+            held_elsewhere = elsewhere.unwrap_or(0),
             dumps_us = us(dumps_done - start),
             merge_us = us(dumps_done.elapsed()),
             "scan"
@@ -279,20 +279,23 @@ impl Scanner {
     }
 }
 
-/// The rows of the namespaces `between` their walks: one dump of the sockets processes hold
-/// outside connreap's namespace, each socket once (a socket shared by several descriptors
-/// comes once per descriptor), plus what each one's last walk carries (see `walk::carried`).
-/// No dump when there are no such namespaces.
-fn between_walks(
+/// The owner dump, and with it, when there are namespaces `between` their walks, their rows:
+/// the sockets processes hold outside connreap's namespace, read in the same pass over every
+/// process's files (each socket once; a socket shared by several descriptors comes once per
+/// descriptor), plus what each one's last walk carries (see `walk::carried`). Returns the dump
+/// and how many sockets it read in those namespaces (None: the plain owner dump, no namespace
+/// between walks).
+fn owners_and_between(
     kernel: &mut Kernel,
     walks: &Walks,
     between: &[Namespace],
     b: &mut TableBuilder<'_>,
+    holders: &mut Holders,
     now_ns: u64,
     hz: u32,
-) -> Result<kernel::Dump, KernelError> {
+) -> Result<(kernel::Dump, Option<usize>), KernelError> {
     if between.is_empty() {
-        return Ok(kernel::Dump::default());
+        return Ok((kernel.for_each_owner(|o| holders.push(&o))?, None));
     }
     let parts: FxHashMap<u32, usize> = between
         .iter()
@@ -302,11 +305,15 @@ fn between_walks(
         })
         .collect();
     let mut held = FxHashSet::default();
-    let dump = kernel.for_each_held_elsewhere(|r| {
-        // Namespaces walked by this scan, and any not discovered, are not added here.
-        if let Some(&part) = parts.get(&r.netns) {
-            if held.insert(r.sock.skaddr) {
-                b.push_in(part, &r.sock);
+    let dump = kernel.for_each_owner_and_elsewhere(|o| match o {
+        Owned::Owner(o) => holders.push(&o),
+        Owned::Elsewhere(p) => {
+            holders.push(&p.owner);
+            // Namespaces walked by this scan, and any not discovered, are not added here.
+            if let Some(&part) = parts.get(&p.owner.netns) {
+                if held.insert(p.sock.skaddr) {
+                    b.push_in(part, &p.sock);
+                }
             }
         }
     })?;
@@ -317,7 +324,7 @@ fn between_walks(
             }
         }
     }
-    Ok(dump)
+    Ok((dump, Some(held.len())))
 }
 
 /// A namespace as the table's rows name it.

@@ -12,6 +12,7 @@
 //! made; a daemon whose tracker gets unpinned re-attaches it (see `tracker`).
 pub mod destroy;
 pub mod diag;
+mod dump;
 pub mod error;
 pub mod events;
 mod host;
@@ -25,6 +26,7 @@ pub mod ring;
 mod too_old;
 mod tracker;
 
+pub use dump::{Dump, Owned};
 use error::program_error;
 pub use error::{IterError, KernelError};
 use host::{ensure_mounted, load_lock, raise_memlock};
@@ -35,10 +37,9 @@ pub use tracker::TrackerStatus;
 use std::{
     collections::HashMap,
     fs,
-    io::Read as _,
     os::fd::AsFd as _,
     path::{Path, PathBuf},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use aya::{
@@ -49,7 +50,7 @@ use aya::{
     },
     Btf, Ebpf, EbpfLoader,
 };
-use connreap_ebpf::{counter, names, EventBatch, NsSockRecord, OwnerRecord, SockRecord};
+use connreap_ebpf::{counter, names, EventBatch, OwnerRecord, SockRecord};
 
 /// The BPF object, embedded at build time (empty when `cargo xtask build-ebpf` has not run).
 static OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/connreap-ebpf.o"));
@@ -65,17 +66,6 @@ pub struct Counters {
     pub map_full: u64,
     /// Kernel memory of each shared map (pin name, bytes).
     pub map_memory: Vec<(&'static str, u64)>,
-}
-
-/// What one iterator dump was: its records, and the time spent in `read`, i.e. in the kernel
-/// producing them.
-#[derive(Debug, Default, Clone, Copy)]
-pub struct Dump {
-    pub records: usize,
-    /// Time in read(): the iterator producing records.
-    pub in_kernel: Duration,
-    /// The whole dump: attach, reads, and decoding the records.
-    pub total: Duration,
 }
 
 /// Run-time statistics of one BPF program (non-zero only while kernel.bpf_stats_enabled=1).
@@ -357,46 +347,13 @@ impl Kernel {
         destroy::BpfDestroyer::load(OBJECT, &self.pin_dir, verbose)
     }
 
-    /// Run an iterator and hand each complete record to `f` as it is read (a small reused
-    /// buffer: the dump is never held in memory as bytes).
+    /// Run an iterator and hand each complete record to `f` as it is read.
     fn run_iter<T: aya::Pod>(
         it: &mut Iter,
         what: &'static str,
         f: impl FnMut(T),
     ) -> Result<Dump, KernelError> {
-        Self::dump(it, f).map_err(KernelError::iterate(what))
-    }
-
-    fn dump<T: aya::Pod>(it: &mut Iter, mut f: impl FnMut(T)) -> Result<Dump, IterError> {
-        let start = Instant::now();
-        let id = it.attach()?;
-        let link = it.take_link(id)?;
-        let mut file = link.into_file()?;
-        let size = std::mem::size_of::<T>();
-        let mut buf = vec![0u8; 64 * 1024];
-        let mut filled = 0;
-        let mut dump = Dump::default();
-        loop {
-            let t = Instant::now();
-            let read = file.read(&mut buf[filled..]);
-            dump.in_kernel += t.elapsed();
-            let n = match read {
-                Ok(0) => break,
-                Ok(n) => n,
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e.into()),
-            };
-            filled += n;
-            let whole = filled - filled % size;
-            records::<T>(&buf[..whole]).for_each(|r| {
-                dump.records += 1;
-                f(r)
-            });
-            buf.copy_within(whole..filled, 0);
-            filled -= whole;
-        }
-        dump.total = start.elapsed();
-        Ok(dump)
+        dump::fixed(it, f).map_err(KernelError::iterate(what))
     }
 
     /// Every TCP socket of each of `spaces`, one record at a time: `f` gets
@@ -456,18 +413,18 @@ impl Kernel {
         Self::run_iter(&mut self.iter_files, "iter/task_file", f)
     }
 
-    /// Every socket a process holds in a namespace other than this thread's, one record per
-    /// file holding it, in one pass over every process's files (see agent-ebpf's
-    /// `netns_socks.rs`): what a scan of the other namespaces reads between their walks.
-    pub fn for_each_held_elsewhere(
+    /// Every (socket, process) pair on the host like [`Kernel::for_each_owner`], and with it
+    /// every TCP socket a process holds in a namespace other than this thread's, in one pass
+    /// over every process's files (see agent-ebpf's `netns_socks.rs`): what a scan reads of the
+    /// other namespaces between their walks. A socket shared by several descriptors comes once
+    /// per descriptor.
+    pub fn for_each_owner_and_elsewhere(
         &mut self,
-        f: impl FnMut(NsSockRecord),
+        f: impl FnMut(Owned),
     ) -> Result<Dump, KernelError> {
-        Self::run_iter(
-            &mut self.iter_netns_socks,
-            "iter/task_file (netns sockets)",
-            f,
-        )
+        dump::owned(&mut self.iter_netns_socks, f).map_err(KernelError::iterate(
+            "iter/task_file (owners, other namespaces)",
+        ))
     }
 
     /// Both dumps at once, the owner dump on a second thread: a one-shot snapshot's wall time
@@ -560,41 +517,4 @@ impl Kernel {
 /// A program's runs the kernel skipped as nested (its fdinfo; aya's ProgramInfo lacks it).
 fn recursion_misses(fd: &aya::programs::ProgramFd) -> Option<u64> {
     memory::fdinfo_u64(fd.as_fd(), "recursion_misses")
-}
-
-/// Fixed-size records written by `bpf_seq_write`; a trailing partial record is ignored.
-fn records<T: aya::Pod>(buf: &[u8]) -> impl Iterator<Item = T> + '_ {
-    buf.chunks_exact(std::mem::size_of::<T>()).map(|chunk| {
-        // SAFETY: T is Pod (any bit pattern is a valid T) and chunk has exactly size_of::<T>()
-        // bytes; read_unaligned allows any alignment of the buffer.
-        unsafe { std::ptr::read_unaligned(chunk.as_ptr().cast::<T>()) }
-    })
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn decodes_records_and_ignores_partial_tail() {
-        let a = OwnerRecord {
-            skaddr: 0xffff_8880_1234_5678,
-            tgid: 42,
-            fd: 7,
-            comm: *b"java\0\0\0\0\0\0\0\0\0\0\0\0",
-        };
-        let mut buf = Vec::new();
-        for _ in 0..2 {
-            // SAFETY: reading the bytes of a Pod record.
-            buf.extend_from_slice(unsafe {
-                std::slice::from_raw_parts(
-                    &a as *const _ as *const u8,
-                    std::mem::size_of::<OwnerRecord>(),
-                )
-            });
-        }
-        buf.extend_from_slice(&[1, 2, 3]);
-        let recs: Vec<OwnerRecord> = records(&buf).collect();
-        assert_eq!(recs, vec![a, a]);
-    }
 }

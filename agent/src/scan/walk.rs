@@ -6,11 +6,13 @@
 //! visits every socket of the host to skip the other namespaces': walking every namespace on
 //! every scan costs namespaces × all sockets. So the daemon walks its own namespace on every
 //! scan and each other namespace once per `every` scans (spread over the scans by inode); in
-//! between, that namespace's sockets held by a process come from one pass over all processes'
-//! files (`Kernel::for_each_held_elsewhere`), and the ones no process holds (TIME_WAIT,
+//! between, that namespace's sockets held by a process are read by the owner dump, which then
+//! also reads the sockets of other namespaces than connreap's in its pass over all processes'
+//! files (`Kernel::for_each_owner_and_elsewhere`), and the ones no process holds (TIME_WAIT,
 //! SYN_RECV, orphaned, not yet accepted: inode 0) are carried from its last walk, aged.
-//! That pass costs about what the owner dump does, more than a few walks: where walking the
-//! namespaces between their walks would cost less (measured times), the scan walks them all.
+//! Reading them costs the owner dump about half again its time, more than a few walks: where
+//! walking the namespaces between their walks would cost less (measured times), the scan walks
+//! them all.
 use std::{collections::HashMap, ops::RangeInclusive};
 
 use connreap_ebpf::{sock_flags, SockRecord};
@@ -34,12 +36,11 @@ pub struct Walks {
     /// Scans begun.
     pub scans: u64,
     walked: HashMap<u32, Walked>,
-    /// Smoothed kernel time of one walk of a namespace other than the own, of the pass over
-    /// processes' files that reads the namespaces between their walks, and of the owner dump
-    /// (the same kind of pass, measured on every scan), in ns.
+    /// Smoothed kernel times, in ns: one walk of a namespace other than the own; the plain
+    /// owner dump; and what reading the other namespaces' sockets adds to the owner dump.
     walk_ns: Option<f64>,
-    held_ns: Option<f64>,
     owner_ns: Option<f64>,
+    elsewhere_ns: Option<f64>,
 }
 
 /// Weight of a new measurement in the smoothed times.
@@ -64,29 +65,33 @@ impl Walks {
         }
     }
 
-    /// The pass reading the namespaces between their walks took `d` in the kernel.
-    pub fn observe_held(&mut self, d: std::time::Duration) {
-        self.held_ns = smooth(self.held_ns, d.as_nanos() as f64);
-    }
-
-    /// The owner dump took `d` in the kernel.
+    /// The plain owner dump took `d` in the kernel.
     pub fn observe_owner(&mut self, d: std::time::Duration) {
         self.owner_ns = smooth(self.owner_ns, d.as_nanos() as f64);
     }
 
-    /// Whether walking all `between` namespaces costs no more than the pass over processes'
-    /// files would: each walk passes over every socket of the host, but skipping another
-    /// namespace's socket is cheaper than reading a process's file (on the bench host ~0.1 µs
-    /// against ~0.8 µs), so with a few namespaces walking them is cheaper. From the times
-    /// measured so far; before the pass ran once, 1.5× the owner dump's stands in for it.
+    /// The owner dump that also read the other namespaces' sockets took `d` in the kernel.
+    /// What reading them added is `d` less the plain dump's time (known from the first scan,
+    /// which walks every namespace it finds).
+    pub fn observe_owner_and_elsewhere(&mut self, d: std::time::Duration) {
+        let added = d.as_nanos() as f64 - self.owner_ns.unwrap_or(0.0);
+        self.elsewhere_ns = smooth(self.elsewhere_ns, added.max(0.0));
+    }
+
+    /// Whether walking all `between` namespaces costs no more than reading their sockets in
+    /// the owner dump would add to it: each walk passes over every socket of the host, but
+    /// skipping another namespace's socket is cheaper than reading a process's socket file (on
+    /// the bench host ~0.1 µs against ~0.8 µs), so with a few namespaces walking them is
+    /// cheaper. From the times measured so far; before the owner dump read them once, half the
+    /// plain dump's time stands in for what reading them adds.
     pub fn walk_all_cheaper(&self, between: usize) -> bool {
         let Some(walk) = self.walk_ns else {
             return false;
         };
-        let Some(held) = self.held_ns.or(self.owner_ns.map(|o| o * 1.5)) else {
+        let Some(added) = self.elsewhere_ns.or(self.owner_ns.map(|o| o * 0.5)) else {
             return false;
         };
-        between as f64 * walk <= held
+        between as f64 * walk <= added
     }
 
     /// Whether this scan walks namespace `inode` (not the own: that one is always walked).
@@ -266,18 +271,24 @@ mod tests {
         // Nothing measured yet: no walk-time estimate, use the pass.
         assert!(!w.walk_all_cheaper(1));
         w.observe_walks(2, ms(20));
-        // The pass is not measured yet either: the owner dump's time stands in (x1.5).
-        w.observe_owner(ms(60));
+        // Reading the namespaces in the owner dump is not measured yet either: half the plain
+        // dump's time stands in.
+        w.observe_owner(ms(180));
         assert!(
             w.walk_all_cheaper(1),
-            "one walk of 10 ms vs a pass of ~90 ms"
+            "one walk of 10 ms vs ~90 ms more for the owner dump"
         );
         assert!(w.walk_all_cheaper(9));
         assert!(!w.walk_all_cheaper(10));
-        w.observe_held(ms(40));
+        // It added 40 ms (220 against 180).
+        w.observe_owner_and_elsewhere(ms(220));
         assert!(w.walk_all_cheaper(4) && !w.walk_all_cheaper(5));
+        // A dump quicker than the plain one's smoothed time added nothing, not less: 40 ms
+        // smoothed towards 0 is 28 ms.
+        w.observe_owner_and_elsewhere(ms(100));
+        assert!(w.walk_all_cheaper(2) && !w.walk_all_cheaper(3));
         // Smoothed, not replaced: one slow walk does not flip the choice at once.
-        w.observe_walks(1, ms(100));
+        w.observe_walks(1, ms(60));
         assert!(w.walk_all_cheaper(1));
     }
 

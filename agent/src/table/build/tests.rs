@@ -44,6 +44,7 @@ fn owner(skaddr: u64, tgid: u32, comm: &str) -> OwnerRecord {
         tgid,
         fd: 3,
         comm: c,
+        ..OwnerRecord::default()
     }
 }
 
