@@ -397,14 +397,18 @@ fn snapshot_diagnosis(ctx: &Ctx, run: &SnapshotRun, empty: &Timed, fixed: &str) 
             "No measurable growth with the sockets at this size.".into()
         },
     ];
-    if let Some((tcp_ns, file_ns)) = ctx.iter_ns {
+    let iterators = ctx.iter_ns.and_then(|(tcp_ns, file_ns)| {
+        let secs = (tcp_ns * seen as f64 + file_ns * files as f64) / 1e9;
+        Duration::try_from_secs_f64(secs)
+            .ok()
+            .map(|d| (tcp_ns, file_ns, d))
+    });
+    if let Some((tcp_ns, file_ns, took)) = iterators {
         diagnosis.push(format!(
             "Of that, the BPF iterator programs themselves account for about {} ({tcp_ns:.0} ns × {seen} \
              sockets + {file_ns:.0} ns × {files} files, per-element costs from measure 1); the rest \
              is userspace (table build, JSON) and the kernel's copy of the records.",
-            ms(Duration::from_secs_f64(
-                (tcp_ns * seen as f64 + file_ns * files as f64) / 1e9
-            ))
+            ms(took)
         ));
     }
     diagnosis
