@@ -57,9 +57,10 @@ pub struct BenchArgs {
     /// the report).
     #[arg(long, default_value_t = 600)]
     wait_quiet: u64,
-    /// Also time this connreap binary (built from an older commit) in measures 3 and 6,
+    /// Also time this connreap binary (built from an older commit) in measures 3, 6 and 7,
     /// alternated with the current one on the same sockets: a row per size with the ratio of
-    /// snapshot times current/baseline, and one of daemon CPU per scan at the largest size
+    /// snapshot times current/baseline, one of daemon CPU per scan at the largest size, and
+    /// (for a baseline that knows namespaces) one of daemon CPU per scan at many namespaces
     /// (targets ≤ 1.05×). Its tracker is pinned under /sys/fs/bpf/connreap-baseline, removed
     /// at the end.
     #[arg(
@@ -202,9 +203,11 @@ parsed to check that it sees every held socket in its namespace, with its owner.
 `connreap run` (scan_interval 2s) in a namespace of its own, twice, one after the other: with \
 `netns_walk_interval = \"0s\"` (every namespace walked on every scan) and with \
 `netns_walk_interval = \"20s\"` (10 scans: each namespace walked once in the window, the others \
-read by the pass over processes' files): after 2 scans, (utime + stime) from /proc/PID/stat \
-over 10 scans ÷ the scans /metrics counted, their ratio, and VmRSS after each scan of the \
-second daemon (the largest is judged).
+read by the owner dump's pass over processes' files): after 2 scans, (utime + stime) from \
+/proc/PID/stat over 10 scans ÷ the scans /metrics counted, their ratio, and VmRSS after each \
+scan of the second daemon (the largest is judged). With a baseline that knows namespaces, the \
+second daemon's window again, current and baseline alternated (2 ABBA blocks), ratio of the \
+medians, target ≤ 1.05×.
 
 Profiles (perf) and the gdb step only explain figures; `--no-profile` skips them. The agent binary \
 is copied to target/bench-tmp/ at the start and that copy is used throughout. `--smoke` runs the \
@@ -319,7 +322,7 @@ pub fn run(args: BenchArgs) -> Result<()> {
     conditions.extend(run_conditions(&busy, &done, &load0, t0));
     if let Some(b) = &base {
         conditions.push(format!(
-            "Measure 3 also timed a baseline, {} ({}), alternated with this build.",
+            "The baseline {} ({}) was timed alternated with this build (measures 3, 6 and 7 as selected).",
             b.label,
             b.source.display()
         ));
@@ -353,8 +356,9 @@ fn prepare(args: &BenchArgs) -> Result<(PathBuf, String, Option<baseline::Baseli
         parts::build(&dir)?;
     }
     let base = baseline::resolve(args, &dir)?;
-    if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) {
-        eprintln!("bench: warning: the baseline is only used by measures 3 and 6 (run with measure 3), not selected");
+    if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) && !args.only.contains(&7)
+    {
+        eprintln!("bench: warning: the baseline is only used by measures 3 and 6 (run with measure 3) and 7, not selected");
     }
     Ok((dir, built, base))
 }

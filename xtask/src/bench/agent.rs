@@ -242,7 +242,8 @@ impl Daemon {
         Self::start_as(ns, dir, tag, scan_interval, "", Some(side))
     }
 
-    fn start_as(
+    /// [`Daemon::start`] with `extra` TOML for a [`Side`] daemon, or the current one (None).
+    pub fn start_as(
         ns: &NsHandle,
         dir: &Path,
         tag: &str,

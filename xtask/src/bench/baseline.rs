@@ -1,4 +1,4 @@
-//! Measures 3 and 6 against an older connreap (`--baseline PATH`, or `--baseline-commit REV` to
+//! Measures 3, 6 and 7 against an older connreap (`--baseline PATH`, or `--baseline-commit REV` to
 //! build one): both binaries' snapshots of the same sockets, alternated in one run, so a
 //! regression is a ratio measured side by side rather than a comparison with a run from another
 //! time; and both as daemons over those sockets ([`daemon`]).
@@ -17,7 +17,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 
 mod daemon;
-pub use daemon::daemon_row;
+mod namespaces;
+pub use daemon::{daemon_row, BASE_LISTEN};
+pub use namespaces::{knows_namespaces, namespaces_row};
 
 use super::{
     proc::{self, Timed},

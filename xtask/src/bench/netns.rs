@@ -5,6 +5,7 @@
 //! `nsenter --net`. Then a daemon scanning them all: its CPU per scan and its VmRSS.
 use std::{
     collections::HashSet,
+    path::Path,
     process::{Command, Stdio},
     time::{Duration, Instant},
 };
@@ -12,7 +13,8 @@ use std::{
 use anyhow::{bail, Context, Result};
 
 use super::{
-    agent::{self, Daemon},
+    agent::{self, Daemon, Side},
+    baseline::{self, Baseline},
     footprint,
     load::{self, Holders},
     proc::{self, Timed},
@@ -361,16 +363,27 @@ struct Observed {
 /// namespace) walking each other namespace once per `walk` (`agent.netns_walk_interval`):
 /// after 2 warm-up scans (the first walks every namespace, all being new), its CPU over
 /// `size.scans` scans and VmRSS after each.
-fn observe(ctx: &Ctx, size: &Size, walk: &str) -> Result<Observed> {
+/// `side`: the baseline's daemon instead of the current one.
+fn observe(ctx: &Ctx, size: &Size, walk: &str, side: Option<&Baseline>) -> Result<Observed> {
     let ctl = NetNs::new("manyctl")?;
     let h = ctl.handle();
     let timeout = Duration::from_secs(120);
-    let mut d = Daemon::start(
+    let side = side.map(|b| Side {
+        bin: b.bin.clone(),
+        listen: baseline::BASE_LISTEN,
+        pin_root: Path::new(baseline::PIN_ROOT),
+    });
+    let mut d = Daemon::start_as(
         &h,
         &ctx.dir,
-        "netns",
+        if side.is_some() {
+            "netns-baseline"
+        } else {
+            "netns"
+        },
         &format!("{}s", size.interval),
         &format!("netns_walk_interval = \"{walk}\"\n"),
+        side.as_ref(),
     )?;
     d.wait_scans(2.0, timeout)?;
     let (u0, s0) = proc::cpu_times(d.pid())?;
@@ -425,9 +438,9 @@ fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
     // Side by side: walking every namespace on every scan (what every scan did before
     // netns_walk_interval), then once per observed window: `size.scans` scans are one walk
     // period, so each namespace is walked exactly once in it (spread over the scans).
-    let all = observe(ctx, size, "0s")?;
+    let all = observe(ctx, size, "0s", None)?;
     let period = format!("{}s", size.interval * size.scans as f64);
-    let o = observe(ctx, size, &period)?;
+    let o = observe(ctx, size, &period, None)?;
     let spaces = size.spaces;
     let (per_scan_all, figures_all) = cpu_figures(&all, size);
     let (per_scan, figures) = cpu_figures(&o, size);
@@ -496,5 +509,27 @@ fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
             vec![]
         },
     };
-    Ok(vec![walk_all, cpu, mem])
+    let mut rows = vec![walk_all, cpu, mem];
+    if let Some(b) = ctx.baseline.clone() {
+        let what = format!(
+            "daemon CPU per scan @ {spaces} namespaces ({} sockets), netns_walk_interval = {period}",
+            pop.held
+        );
+        if !baseline::knows_namespaces(&b) {
+            println!(
+                "bench: measure 7 has no baseline row: baseline {} knows no network namespaces \
+                 (its snapshot has no --netns)",
+                b.label
+            );
+        } else {
+            let row = baseline::namespaces_row(ctx, &b, &what, |side| {
+                observe(ctx, size, &period, side).map(|o| cpu_figures(&o, size).0)
+            });
+            rows.push(row.unwrap_or_else(|e| {
+                eprintln!("bench: the baseline comparison of measure 7 failed: {e:#}");
+                Row::failed("7", &format!("{what} vs baseline {}", b.label), &e)
+            }));
+        }
+    }
+    Ok(rows)
 }

@@ -29,7 +29,7 @@ use crate::bench::{
 };
 
 /// The baseline daemon's API (the current one uses the bench's usual port).
-const BASE_LISTEN: &str = "127.0.0.1:9481";
+pub const BASE_LISTEN: &str = "127.0.0.1:9481";
 
 /// CPU per scan of one daemon over one window, started and stopped for it.
 fn window(
@@ -69,7 +69,8 @@ fn window(
     Ok((u1 + s1).saturating_sub(u0 + s0).div_f64(scans))
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+/// The median of CPU-per-scan windows.
+pub(super) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
