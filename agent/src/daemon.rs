@@ -141,15 +141,24 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     // On a signal everything stops at once: no new scan or reclaim round starts (a round in
     // progress has already written its kill intents), the API closes; queued notifications
     // get a short, bounded chance to go out.
-    tokio::select! {
-        () = server::serve(listener, api::router(state), shutdown_signal()) => {}
-        () = scan_loop.run() => {}
-    }
+    // The scan loop is a task of its own: its detectors and metrics run on one runtime thread
+    // while the API's accept loop (and its connection cap) goes on on the other.
+    let mut scans = tokio::spawn(scan_loop.run());
+    let scans_ended = tokio::select! {
+        () = server::serve(listener, api::router(state), shutdown_signal()) => None,
+        r = &mut scans => Some(r),
+    };
+    scans.abort();
     if !webhooks.drain(WEBHOOK_DRAIN).await {
         tracing::warn!(
             queued = webhooks.queued(),
             "shutting down with undelivered notifications"
         );
     }
-    Ok(())
+    match scans_ended {
+        // The loop never returns; a panic in it ends the daemon (systemd restarts it).
+        Some(Err(e)) if e.is_panic() => anyhow::bail!("the scan loop panicked: {e}"),
+        Some(_) => anyhow::bail!("the scan loop ended"),
+        None => Ok(()),
+    }
 }
