@@ -136,20 +136,36 @@ fn compare(ctx: &Ctx, h: &NsHandle, tag: &str, held: usize, b: &Baseline) -> Res
             .collect::<Vec<_>>()
             .join(", ")
     )];
-    let (c, bm) = (median(cur), median(base));
-    let (r, verdict) = judge(c, bm);
-    Ok(Row {
-        id: "6",
-        name: format!(
+    cpu_row(
+        "6",
+        format!(
             "daemon CPU per scan @ {held} idle sockets ({tag}, one namespace) vs baseline {}",
             b.label
         ),
+        (cur, base),
+        details,
+    )
+}
+
+/// A row judging the current daemon's CPU per scan against the baseline's: the ratio of the
+/// medians of their windows (`cur`, `base`), `details` as the diagnosis when it misses.
+pub(super) fn cpu_row(
+    id: &'static str,
+    name: String,
+    (cur, base): (Vec<Duration>, Vec<Duration>),
+    details: Vec<String>,
+) -> Result<Row> {
+    let windows = cur.len();
+    let (c, bm) = (median(cur), median(base));
+    let (r, verdict) = judge(c, bm);
+    Ok(Row {
+        id,
+        name,
         result: format!("{r:.3}×"),
         figures: format!(
-            "current {} vs baseline {} CPU per scan (medians of {} windows each)",
+            "current {} vs baseline {} CPU per scan (medians of {windows} windows each)",
             ms(c),
             ms(bm),
-            2 * blocks
         ),
         target: format!("≤ {TARGET}×"),
         verdict,

@@ -6,9 +6,9 @@ use std::{process::Command, time::Duration};
 
 use anyhow::Result;
 
-use super::{daemon::median, judge, order, Baseline, Pins, TARGET};
+use super::{daemon::cpu_row, order, Baseline, Pins};
 use crate::bench::{
-    report::{ms, Row, Verdict},
+    report::{ms, Row},
     sys::NsHandle,
     Ctx,
 };
@@ -49,25 +49,10 @@ pub fn namespaces_row(
         b.label,
         each(&base)
     )];
-    let (c, bm) = (median(cur), median(base));
-    let (r, verdict) = judge(c, bm);
-    Ok(Row {
-        id: "7",
-        name: format!("{what} vs baseline {}", b.label),
-        result: format!("{r:.3}×"),
-        figures: format!(
-            "current {} vs baseline {} CPU per scan (medians of {} windows each)",
-            ms(c),
-            ms(bm),
-            2 * blocks
-        ),
-        target: format!("≤ {TARGET}×"),
-        verdict,
-        diagnosis: if verdict == Verdict::Pass {
-            vec![]
-        } else {
-            details.clone()
-        },
+    cpu_row(
+        "7",
+        format!("{what} vs baseline {}", b.label),
+        (cur, base),
         details,
-    })
+    )
 }
