@@ -395,6 +395,15 @@ impl Socket {
     pub fn last_send(&self) -> Option<Duration> {
         opt_ms(self.last_send_ms)
     }
+    /// Set the times since data was last received and sent (tests and fixtures; the table
+    /// builder sets the fields itself), and the idle time with them.
+    #[cfg(test)]
+    pub fn set_last_io(&mut self, recv: Option<Duration>, send: Option<Duration>) {
+        let ms = |d: Option<Duration>| d.map_or(NO_MS, |d| d.as_millis() as u64);
+        self.last_recv_ms = ms(recv);
+        self.last_send_ms = ms(send);
+        self.idle = opt_ms(self.last_recv_ms.min(self.last_send_ms));
+    }
 }
 
 /// One end of a connection as integers: its namespace and both endpoints, IPv4 held as

@@ -1,6 +1,8 @@
 //! Leak detectors: pure functions over the socket table, quota readings and connection-rate
 //! windows. Each returns findings; `run` runs them all.
 mod close_wait;
+mod downstream;
+mod ends;
 mod idle;
 mod pairs;
 mod quota;
@@ -12,8 +14,9 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
+pub use downstream::{Downstreams, Serving};
+pub use ends::{Ends, PairedBy};
 pub use idle::PeerCount;
-pub use pairs::local_pairs;
 pub use scope::identity;
 pub use storm::{ConnKey, StormTracker};
 pub use upstream::UpstreamOwner;
@@ -123,6 +126,39 @@ impl Verdict {
     }
 }
 
+/// Connections feeding a quota's holder from relaying processes, by whether they still serve
+/// a connected downstream (see `downstream`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OrphanCounts {
+    /// Feeding connections whose feeder is a relay (it listens).
+    pub feeding: usize,
+    pub orphaned: usize,
+    pub serving: usize,
+    pub ambiguous: usize,
+}
+
+impl OrphanCounts {
+    /// The counts over `socks` (None when no feeder is a relay).
+    pub fn of(socks: &[&Socket], serving: impl Fn(&Socket) -> Option<Serving>) -> Option<Self> {
+        let mut c = OrphanCounts {
+            feeding: 0,
+            orphaned: 0,
+            serving: 0,
+            ambiguous: 0,
+        };
+        for s in socks {
+            match serving(s) {
+                Some(Serving::Orphaned) => c.orphaned += 1,
+                Some(Serving::Serving) => c.serving += 1,
+                Some(Serving::Ambiguous) => c.ambiguous += 1,
+                None => continue,
+            }
+            c.feeding += 1;
+        }
+        (c.feeding > 0).then_some(c)
+    }
+}
+
 /// At most this many sockets are listed in a finding.
 pub const MAX_SOCKETS: usize = 20;
 
@@ -164,6 +200,10 @@ pub struct Finding {
     /// upstream, when no port_map names the port carrying its streams.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub upstream: Vec<UpstreamOwner>,
+    /// quota_exhausted_by_leak: the connections feeding the quota's holder, and how many of
+    /// them are orphaned (their downstream is gone) or still serve a connected one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub orphans: Option<OrphanCounts>,
     /// The network namespace of its sockets: the inode (0: not known, or no sockets).
     pub netns: u32,
     /// The namespace's name under `/run/netns` or `/run/docker/netns`, if it has one.
@@ -198,6 +238,7 @@ impl Finding {
             keepalive: None,
             peers: Vec::new(),
             upstream: Vec::new(),
+            orphans: None,
             netns: 0,
             netns_name: None,
             netns_own: true,
@@ -318,12 +359,58 @@ pub struct Input<'a> {
     pub storm: &'a StormTracker,
 }
 
+/// How the sockets of one table relate: the other end of each connection (across namespaces
+/// too) and, for relaying processes, whether an upstream still serves a connected downstream.
+/// Each is computed on first use (a quiet host needs neither).
+pub struct Relations<'a> {
+    table: &'a [Socket],
+    ends: std::cell::OnceCell<Ends>,
+    downstreams: std::cell::OnceCell<Downstreams>,
+}
+
+impl<'a> Relations<'a> {
+    pub fn new(table: &'a [Socket]) -> Self {
+        Relations {
+            table,
+            ends: Default::default(),
+            downstreams: Default::default(),
+        }
+    }
+    pub fn table(&self) -> &'a [Socket] {
+        self.table
+    }
+    pub fn ends(&self) -> &Ends {
+        self.ends.get_or_init(|| Ends::new(self.table))
+    }
+    pub fn downstreams(&self) -> &Downstreams {
+        self.downstreams
+            .get_or_init(|| Downstreams::new(self.table, self.ends()))
+    }
+    /// The row of `s`, a socket of this table.
+    pub fn row(&self, s: &Socket) -> Option<usize> {
+        let size = std::mem::size_of::<Socket>();
+        let off = (s as *const Socket as usize).checked_sub(self.table.as_ptr() as usize)?;
+        (off % size == 0 && off / size < self.table.len()).then_some(off / size)
+    }
+    /// The other end of `s`'s connection on this host.
+    pub fn other_end(&self, s: &Socket) -> Option<&'a Socket> {
+        let j = self.ends().other(self.row(s)?)?;
+        self.table.get(j)
+    }
+    /// Whether `s` (an upstream of a relaying process, or its far end) still serves a
+    /// connected downstream.
+    pub fn serving(&self, s: &Socket) -> Option<Serving> {
+        self.downstreams().status(self.row(s)?)
+    }
+}
+
 /// Run every detector.
 pub fn run(input: &Input<'_>, memory: &mut Memory) -> Vec<Finding> {
+    let rel = Relations::new(input.table);
     let mut out = close_wait::detect(input.table, input.cfg, &mut memory.close_wait_counts);
-    out.extend(pairs::detect(input.table, input.cfg));
-    out.extend(idle::detect(input.table, input.cfg));
-    out.extend(quota::detect(input));
+    out.extend(pairs::detect(&rel, input.cfg));
+    out.extend(idle::detect(&rel, input.cfg));
+    out.extend(quota::detect(input, &rel));
     out.extend(input.storm.findings(input.cfg));
     out.extend(quota::unavailable(input.quotas));
     merge_same_identity(out)

@@ -15,6 +15,7 @@ use std::{
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use super::downstream::Serving;
 use crate::table::{Direction, Socket, TcpState};
 
 /// Longest time between a holder accepting a connection and the connection it dials for it
@@ -89,9 +90,26 @@ pub struct UpstreamOwner {
     /// Of those, how many are idle at both ends (≥ quota_idle_min) or in CLOSE_WAIT.
     pub idle: usize,
     pub matched_by: MatchedBy,
-    /// The full id of the container it runs in, if it runs in one.
+    /// Of `count`, how many are orphaned (the downstream they were dialled for is gone), how
+    /// many still serve a connected downstream, and how many could be either (see
+    /// `downstream`); all 0 when the process is not a relay (it does not listen).
+    pub orphaned: usize,
+    pub serving: usize,
+    pub ambiguous: usize,
+    /// Its network namespace (inode, and name when it has one).
+    pub netns: u32,
+    pub netns_name: Option<String>,
+    /// The full id of the container it runs in, if it runs in one, and its pod.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    /// Where it runs, for people: "netns proxy-pod, pod shop/proxy (docker 0123456789ab)";
+    /// empty in connreap's own namespace outside containers.
+    #[serde(skip)]
+    pub place: String,
 }
 
 /// The hops feeding `dials` (the holder processes' connections to the quota's port):
@@ -197,14 +215,20 @@ fn by_timing<'a>(dials: &[&'a Socket], fed: &[(&'a Socket, &'a Socket)]) -> Vec<
     hops
 }
 
-/// The upstream processes of `up`, most connections first; `idle` tells an idle socket.
-pub fn owners(up: &Upstream<'_>, idle: impl Fn(&Socket) -> bool) -> Vec<UpstreamOwner> {
+/// The upstream processes of `up`, most connections first; `idle` tells an idle socket,
+/// `serving` whether a feeder's connection still serves a downstream of its own.
+pub fn owners(
+    up: &Upstream<'_>,
+    idle: impl Fn(&Socket) -> bool,
+    serving: impl Fn(&Socket) -> Option<Serving>,
+) -> Vec<UpstreamOwner> {
     let Some(matched_by) = up.matched_by else {
         return Vec::new();
     };
     let mut by: BTreeMap<(Option<u32>, Option<u32>, u16), UpstreamOwner> = BTreeMap::new();
     for h in &up.hops {
         let key = (h.origin.pid(), h.accepted.pid(), h.accepted.local.port());
+        let ct = h.origin.container();
         let o = by.entry(key).or_insert_with(|| UpstreamOwner {
             pid: h.origin.pid(),
             comm: h.origin.comm().to_string(),
@@ -215,11 +239,25 @@ pub fn owners(up: &Upstream<'_>, idle: impl Fn(&Socket) -> bool) -> Vec<Upstream
             count: 0,
             idle: 0,
             matched_by,
-            container: h.origin.container_id().map(String::from),
+            orphaned: 0,
+            serving: 0,
+            ambiguous: 0,
+            netns: h.origin.netns.inode,
+            netns_name: h.origin.netns.name.as_deref().map(String::from),
+            container: ct.map(|c| c.id.clone()),
+            pod_name: ct.and_then(|c| c.pod_name.clone()),
+            pod_namespace: ct.and_then(|c| c.pod_namespace.clone()),
+            place: super::scope::place_text(&h.origin.netns, ct),
         });
         o.count += 1;
         if idle(h.accepted) && idle(h.origin) {
             o.idle += 1;
+        }
+        match serving(h.origin) {
+            Some(Serving::Orphaned) => o.orphaned += 1,
+            Some(Serving::Serving) => o.serving += 1,
+            Some(Serving::Ambiguous) => o.ambiguous += 1,
+            None => {}
         }
     }
     let mut v: Vec<UpstreamOwner> = by.into_values().collect();
@@ -227,21 +265,27 @@ pub fn owners(up: &Upstream<'_>, idle: impl Fn(&Socket) -> bool) -> Vec<Upstream
     v
 }
 
-/// "fed through relay-sim (port 25001) by leaky-proxy pid 12: 64 connections, 64 idle,
-/// matched by timing"
+/// "fed through relay-sim (port 25001) by leaky-proxy pid 12 (netns proxy-pod, pod shop/proxy
+/// (docker 0123456789ab)): 64 connections, 64 idle, 61 orphaned, matched by timing"
 pub fn describe(owners: &[UpstreamOwner]) -> String {
     owners
         .iter()
         .map(|o| {
             format!(
-                "fed through {} (port {}) by {} pid {}: {} connection{}, {} idle, matched by {}",
+                "fed through {} (port {}) by {} pid {}{}: {} connection{}, {} idle{}, matched by {}",
                 o.via_comm,
                 o.via_port,
                 o.comm,
                 o.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
+                if o.place.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", o.place)
+                },
                 o.count,
                 if o.count == 1 { "" } else { "s" },
                 o.idle,
+                super::downstream::counts_text(o.orphaned, o.serving, o.ambiguous),
                 match o.matched_by {
                     MatchedBy::Timing => "timing",
                     MatchedBy::Port => "port",
@@ -371,13 +415,16 @@ mod tests {
             }],
             error: None,
         }];
-        let mut f = quota::detect(&Input {
-            table,
-            cfg: &cfg,
-            quota_cfgs: &cfgs,
-            quotas: &quotas,
-            storm: &storm,
-        });
+        let mut f = quota::detect(
+            &Input {
+                table,
+                cfg: &cfg,
+                quota_cfgs: &cfgs,
+                quotas: &quotas,
+                storm: &storm,
+            },
+            &crate::detect::Relations::new(table),
+        );
         assert_eq!(f.len(), 1);
         f.remove(0)
     }
@@ -407,7 +454,15 @@ mod tests {
                     count: 64,
                     idle: 64,
                     matched_by: MatchedBy::Timing,
+                    orphaned: 0,
+                    serving: 0,
+                    ambiguous: 0,
+                    netns: 0,
+                    netns_name: None,
                     container: None,
+                    pod_name: None,
+                    pod_namespace: None,
+                    place: String::new(),
                 }],
                 "gap {gap_ms} ms"
             );

@@ -1,0 +1,390 @@
+//! Orphaned connections. A process that relays (it listens, accepts a downstream, then dials an
+//! upstream for it: a proxy, a relay) leaks when a downstream goes away and its upstream is never
+//! aborted (incident 1). Its upstreams then fall in three kinds:
+//! - **orphaned**: no connected downstream of the process could be the one it was dialled for;
+//! - **serving**: exactly one could, and that downstream could be no other upstream's;
+//! - **ambiguous**: more than one could (or one that others could claim too): which upstream is
+//!   orphaned is not known, so none of them is called orphaned.
+//!
+//! An upstream `u` may serve a downstream `d` (both of one process) when `d` is connected
+//! (ESTABLISHED, not itself the far end of an orphaned upstream), was accepted before `u` was
+//! dialled (by [`TOLERANCE`]) and received data no earlier than [`MATCH_WINDOW`] before that dial
+//! (a request arrives, the relay dials). Ages that are only lower bounds never rule a downstream
+//! out. Statuses follow a chain: the far end of an orphaned upstream is a dead downstream for
+//! the next relay, so that relay's upstream for it is orphaned too, and each upstream's status
+//! is also its other end's (the next hop's accepted socket).
+use std::time::Duration;
+
+use rustc_hash::FxHashMap;
+use serde::Serialize;
+
+use super::{ends::Ends, upstream::MATCH_WINDOW};
+use crate::table::{Direction, Socket, TcpState};
+
+/// How much earlier than its downstream an upstream may seem to start (jiffy ticks, an accept
+/// completed on another CPU).
+pub const TOLERANCE: Duration = Duration::from_millis(100);
+
+/// Whether an upstream connection still serves a connected downstream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Serving {
+    Orphaned,
+    Serving,
+    Ambiguous,
+}
+
+impl Serving {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Serving::Orphaned => "orphaned",
+            Serving::Serving => "serving",
+            Serving::Ambiguous => "ambiguous",
+        }
+    }
+}
+
+/// ", 61 orphaned, 3 serving a connected downstream, 2 ambiguous" (the parts that are not 0).
+pub fn counts_text(orphaned: usize, serving: usize, ambiguous: usize) -> String {
+    let mut s = String::new();
+    if orphaned > 0 {
+        s.push_str(&format!(", {orphaned} orphaned (downstream gone)"));
+    }
+    if serving > 0 {
+        s.push_str(&format!(", {serving} serving a connected downstream"));
+    }
+    if ambiguous > 0 {
+        s.push_str(&format!(
+            ", {ambiguous} ambiguous (a connected downstream could be theirs)"
+        ));
+    }
+    s
+}
+
+/// For each row of a table: its status when it is a relaying process's upstream or the far end
+/// of one.
+#[derive(Debug, Default)]
+pub struct Downstreams {
+    status: Vec<Option<Serving>>,
+}
+
+/// A relaying process's connections: accepted ones and dialled ones (rows).
+#[derive(Default)]
+struct Relay {
+    downs: Vec<usize>,
+    ups: Vec<usize>,
+}
+
+impl Downstreams {
+    pub fn new(table: &[Socket], ends: &Ends) -> Downstreams {
+        let mut status = vec![None; table.len()];
+        let listeners: rustc_hash::FxHashSet<u32> = table
+            .iter()
+            .filter(|s| s.state == TcpState::Listen)
+            .filter_map(Socket::pid)
+            .collect();
+        let mut relays: FxHashMap<u32, Relay> = FxHashMap::default();
+        for (i, s) in table.iter().enumerate() {
+            let Some(pid) = s.pid().filter(|p| listeners.contains(p)) else {
+                continue;
+            };
+            if s.state != TcpState::Established {
+                continue;
+            }
+            match s.direction {
+                Direction::Inbound => relays.entry(pid).or_default().downs.push(i),
+                Direction::Outbound => relays.entry(pid).or_default().ups.push(i),
+                Direction::Listen => {}
+            }
+        }
+        relays.retain(|_, r| !r.ups.is_empty());
+        if relays.is_empty() {
+            return Downstreams { status };
+        }
+        let mut dead = vec![false; table.len()];
+        // A chain is a few hops long; each pass settles one more.
+        for _ in 0..4 {
+            for r in relays.values() {
+                classify(table, r, &dead, &mut status);
+            }
+            let mut changed = false;
+            for r in relays.values() {
+                for &u in &r.ups {
+                    if status[u] == Some(Serving::Orphaned) {
+                        if let Some(j) = ends.other(u) {
+                            changed |= !dead[j];
+                            dead[j] = true;
+                        }
+                    }
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        for r in relays.values() {
+            for &u in &r.ups {
+                if let Some(j) = ends.other(u) {
+                    if status[j].is_none() {
+                        status[j] = status[u];
+                    }
+                }
+            }
+        }
+        Downstreams { status }
+    }
+
+    /// Row `i`'s status, if it is an upstream of a relaying process or the far end of one.
+    pub fn status(&self, i: usize) -> Option<Serving> {
+        self.status.get(i).copied().flatten()
+    }
+}
+
+/// The statuses of one relay's upstreams given which downstreams are dead.
+fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Serving>]) {
+    // Live downstreams by the time they last received data (most recent first), with how long
+    // they have existed (inexact ages never rule one out).
+    let mut downs: Vec<(Duration, Duration, usize)> = r
+        .downs
+        .iter()
+        .filter(|&&d| !dead[d])
+        .map(|&d| {
+            let s = &table[d];
+            let lr = s.last_recv().unwrap_or(Duration::ZERO);
+            let age = if s.age_exact { s.age } else { Duration::MAX };
+            (lr, age, d)
+        })
+        .collect();
+    downs.sort_unstable();
+    // Per prefix: the two oldest downstreams in it.
+    let mut top: Vec<(Option<(Duration, usize)>, Option<(Duration, usize)>)> =
+        Vec::with_capacity(downs.len());
+    let mut best: (Option<(Duration, usize)>, Option<(Duration, usize)>) = (None, None);
+    for &(_, age, d) in &downs {
+        let c = Some((age, d));
+        if best.0.is_none_or(|b| age > b.0) {
+            best = (c, best.0);
+        } else if best.1.is_none_or(|b| age > b.0) {
+            best.1 = c;
+        }
+        top.push(best);
+    }
+    let mut unique: Vec<(usize, usize)> = Vec::new();
+    for &u in &r.ups {
+        let s = &table[u];
+        let (latest_recv, earliest_accept) = if s.age_exact {
+            (
+                s.age.saturating_add(MATCH_WINDOW),
+                s.age.saturating_sub(TOLERANCE),
+            )
+        } else {
+            (Duration::MAX, Duration::ZERO)
+        };
+        let p = downs.partition_point(|&(lr, _, _)| lr <= latest_recv);
+        let found = if p == 0 { (None, None) } else { top[p - 1] };
+        let ok = |c: Option<(Duration, usize)>| c.filter(|&(age, _)| age >= earliest_accept);
+        status[u] = Some(match (ok(found.0), ok(found.1)) {
+            (None, _) => Serving::Orphaned,
+            (Some(_), Some(_)) => Serving::Ambiguous,
+            (Some((_, d)), None) => {
+                unique.push((u, d));
+                Serving::Serving
+            }
+        });
+    }
+    // A downstream that is the only candidate of two upstreams serves at most one of them.
+    let mut claims: FxHashMap<usize, usize> = FxHashMap::default();
+    for &(_, d) in &unique {
+        *claims.entry(d).or_default() += 1;
+    }
+    for (u, d) in unique {
+        if claims[&d] > 1 {
+            status[u] = Some(Serving::Ambiguous);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{sync::Arc, time::Duration};
+
+    use super::*;
+    use crate::table::{Owner, Socket};
+
+    fn s(pid: u32, local: &str, peer: &str, dir: Direction, state: TcpState) -> Socket {
+        let mut s = Socket::new(local.parse().unwrap(), peer.parse().unwrap(), state);
+        s.direction = dir;
+        s.owner = Some(Arc::new(Owner {
+            pid,
+            comm: format!("p{pid}").into(),
+            unit: None,
+            container: None,
+        }));
+        s
+    }
+
+    /// A proxy (pid 10) listening on 8080, users (pid 1) connecting at `ages` seconds ago
+    /// (`stays` says which still are), each upstream dialled 5 ms after its user's accept to a
+    /// relay (pid 20) on 25001.
+    fn proxy(users: &[(u64, bool)]) -> Vec<Socket> {
+        let mut t = vec![
+            s(
+                10,
+                "0.0.0.0:8080",
+                "0.0.0.0:0",
+                Direction::Listen,
+                TcpState::Listen,
+            ),
+            s(
+                20,
+                "0.0.0.0:25001",
+                "0.0.0.0:0",
+                Direction::Listen,
+                TcpState::Listen,
+            ),
+        ];
+        for (i, &(age, stays)) in users.iter().enumerate() {
+            let cport = 40000 + i;
+            let uport = 50000 + i;
+            let age = Duration::from_secs(age);
+            if stays {
+                let mut c = s(
+                    1,
+                    &format!("10.0.0.1:{cport}"),
+                    "10.0.0.2:8080",
+                    Direction::Outbound,
+                    TcpState::Established,
+                );
+                c.age = age;
+                let mut d = s(
+                    10,
+                    "10.0.0.2:8080",
+                    &format!("10.0.0.1:{cport}"),
+                    Direction::Inbound,
+                    TcpState::Established,
+                );
+                d.age = age;
+                d.set_last_io(Some(age), Some(Duration::ZERO));
+                t.push(c);
+                t.push(d);
+            }
+            let mut u = s(
+                10,
+                &format!("10.0.0.2:{uport}"),
+                "10.0.0.3:25001",
+                Direction::Outbound,
+                TcpState::Established,
+            );
+            u.age = age - Duration::from_millis(5);
+            let mut r = s(
+                20,
+                "10.0.0.3:25001",
+                &format!("10.0.0.2:{uport}"),
+                Direction::Inbound,
+                TcpState::Established,
+            );
+            r.age = u.age;
+            t.push(u);
+            t.push(r);
+        }
+        t
+    }
+
+    fn statuses(t: &[Socket]) -> Vec<(u16, Option<Serving>)> {
+        let ends = Ends::new(t);
+        let d = Downstreams::new(t, &ends);
+        t.iter()
+            .enumerate()
+            .filter(|(_, s)| s.pid() == Some(10) && s.peer.port() == 25001)
+            .map(|(i, s)| (s.local.port(), d.status(i)))
+            .collect()
+    }
+
+    #[test]
+    fn upstreams_of_users_who_left_are_orphaned() {
+        use Serving::{Ambiguous, Orphaned, Serving as Live};
+        // Two stay (early), then three leave in a burst 10 s later, one more stays after.
+        let t = proxy(&[
+            (100, true),
+            (90, true),
+            (80, false),
+            (80, false),
+            (80, false),
+            (60, true),
+        ]);
+        assert_eq!(
+            statuses(&t),
+            [
+                (50000, Some(Live)),
+                (50001, Some(Live)),
+                (50002, Some(Orphaned)),
+                (50003, Some(Orphaned)),
+                (50004, Some(Orphaned)),
+                (50005, Some(Live)),
+            ]
+        );
+        // The relay's accepted ends carry the same status.
+        let ends = Ends::new(&t);
+        let d = Downstreams::new(&t, &ends);
+        let relay: Vec<Option<Serving>> = t
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| s.pid() == Some(20) && s.direction == Direction::Inbound)
+            .map(|(i, _)| d.status(i))
+            .collect();
+        assert_eq!(relay.iter().filter(|s| **s == Some(Orphaned)).count(), 3);
+    }
+
+    #[test]
+    fn users_arriving_together_are_ambiguous_not_orphaned() {
+        use Serving::{Ambiguous, Orphaned, Serving as Live};
+        // One stays, one leaves, within the same second: which upstream serves the one
+        // left is not known.
+        let t = proxy(&[(100, true), (100, false)]);
+        assert_eq!(
+            statuses(&t),
+            [(50000, Some(Ambiguous)), (50001, Some(Ambiguous))]
+        );
+    }
+
+    #[test]
+    fn a_downstream_busy_at_the_dial_may_have_asked_for_it() {
+        // A keep-alive downstream accepted long before; its request arrived right before the
+        // upstream's dial.
+        let mut t = proxy(&[(300, true), (100, false)]);
+        for x in &mut t {
+            if x.pid() == Some(10) && x.direction == Direction::Inbound {
+                x.set_last_io(Some(Duration::from_secs(100)), Some(Duration::ZERO));
+            }
+        }
+        let st = statuses(&t);
+        assert_eq!(st[1].1, Some(Serving::Ambiguous), "{st:?}");
+    }
+
+    #[test]
+    fn inexact_ages_never_make_an_orphan_while_a_user_is_connected() {
+        let mut t = proxy(&[(100, true), (50, false)]);
+        for x in &mut t {
+            x.age_exact = false;
+        }
+        let st = statuses(&t);
+        assert!(
+            st.iter().all(|(_, s)| *s != Some(Serving::Orphaned)),
+            "{st:?}"
+        );
+        // With no user connected at all, every upstream is orphaned.
+        let t = proxy(&[(100, false), (50, false)]);
+        assert!(statuses(&t)
+            .iter()
+            .all(|(_, s)| *s == Some(Serving::Orphaned)));
+    }
+
+    #[test]
+    fn a_process_that_does_not_listen_is_not_a_relay() {
+        let t: Vec<Socket> = proxy(&[(100, false)])
+            .into_iter()
+            .filter(|x| x.state != TcpState::Listen || x.pid() != Some(10))
+            .collect();
+        assert!(statuses(&t).iter().all(|(_, s)| s.is_none()));
+    }
+}
