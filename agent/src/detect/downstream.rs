@@ -28,20 +28,10 @@ pub const TOLERANCE: Duration = Duration::from_millis(100);
 /// Whether an upstream connection still serves a connected downstream.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
-pub enum Serving {
+pub enum Orphan {
     Orphaned,
     Serving,
     Ambiguous,
-}
-
-impl Serving {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Serving::Orphaned => "orphaned",
-            Serving::Serving => "serving",
-            Serving::Ambiguous => "ambiguous",
-        }
-    }
 }
 
 /// ", 61 orphaned, 3 serving a connected downstream, 2 ambiguous" (the parts that are not 0).
@@ -65,7 +55,7 @@ pub fn counts_text(orphaned: usize, serving: usize, ambiguous: usize) -> String 
 /// of one.
 #[derive(Debug, Default)]
 pub struct Downstreams {
-    status: Vec<Option<Serving>>,
+    status: Vec<Option<Orphan>>,
 }
 
 /// A relaying process's connections: accepted ones and dialled ones (rows).
@@ -110,7 +100,7 @@ impl Downstreams {
             let mut changed = false;
             for r in relays.values() {
                 for &u in &r.ups {
-                    if status[u] == Some(Serving::Orphaned) {
+                    if status[u] == Some(Orphan::Orphaned) {
                         if let Some(j) = ends.other(u) {
                             changed |= !dead[j];
                             dead[j] = true;
@@ -135,13 +125,16 @@ impl Downstreams {
     }
 
     /// Row `i`'s status, if it is an upstream of a relaying process or the far end of one.
-    pub fn status(&self, i: usize) -> Option<Serving> {
+    pub fn status(&self, i: usize) -> Option<Orphan> {
         self.status.get(i).copied().flatten()
     }
 }
 
+/// The two oldest downstreams (age, row) of a prefix.
+type Top2 = (Option<(Duration, usize)>, Option<(Duration, usize)>);
+
 /// The statuses of one relay's upstreams given which downstreams are dead.
-fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Serving>]) {
+fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Orphan>]) {
     // Live downstreams by the time they last received data (most recent first), with how long
     // they have existed (inexact ages never rule one out).
     let mut downs: Vec<(Duration, Duration, usize)> = r
@@ -157,9 +150,8 @@ fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Ser
         .collect();
     downs.sort_unstable();
     // Per prefix: the two oldest downstreams in it.
-    let mut top: Vec<(Option<(Duration, usize)>, Option<(Duration, usize)>)> =
-        Vec::with_capacity(downs.len());
-    let mut best: (Option<(Duration, usize)>, Option<(Duration, usize)>) = (None, None);
+    let mut top: Vec<Top2> = Vec::with_capacity(downs.len());
+    let mut best: Top2 = (None, None);
     for &(_, age, d) in &downs {
         let c = Some((age, d));
         if best.0.is_none_or(|b| age > b.0) {
@@ -184,11 +176,11 @@ fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Ser
         let found = if p == 0 { (None, None) } else { top[p - 1] };
         let ok = |c: Option<(Duration, usize)>| c.filter(|&(age, _)| age >= earliest_accept);
         status[u] = Some(match (ok(found.0), ok(found.1)) {
-            (None, _) => Serving::Orphaned,
-            (Some(_), Some(_)) => Serving::Ambiguous,
+            (None, _) => Orphan::Orphaned,
+            (Some(_), Some(_)) => Orphan::Ambiguous,
             (Some((_, d)), None) => {
                 unique.push((u, d));
-                Serving::Serving
+                Orphan::Serving
             }
         });
     }
@@ -199,7 +191,7 @@ fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Ser
     }
     for (u, d) in unique {
         if claims[&d] > 1 {
-            status[u] = Some(Serving::Ambiguous);
+            status[u] = Some(Orphan::Ambiguous);
         }
     }
 }
@@ -290,7 +282,7 @@ mod tests {
         t
     }
 
-    fn statuses(t: &[Socket]) -> Vec<(u16, Option<Serving>)> {
+    fn statuses(t: &[Socket]) -> Vec<(u16, Option<Orphan>)> {
         let ends = Ends::new(t);
         let d = Downstreams::new(t, &ends);
         t.iter()
@@ -302,7 +294,7 @@ mod tests {
 
     #[test]
     fn upstreams_of_users_who_left_are_orphaned() {
-        use Serving::{Ambiguous, Orphaned, Serving as Live};
+        use Orphan::{Orphaned, Serving as Live};
         // Two stay (early), then three leave in a burst 10 s later, one more stays after.
         let t = proxy(&[
             (100, true),
@@ -326,7 +318,7 @@ mod tests {
         // The relay's accepted ends carry the same status.
         let ends = Ends::new(&t);
         let d = Downstreams::new(&t, &ends);
-        let relay: Vec<Option<Serving>> = t
+        let relay: Vec<Option<Orphan>> = t
             .iter()
             .enumerate()
             .filter(|(_, s)| s.pid() == Some(20) && s.direction == Direction::Inbound)
@@ -337,7 +329,7 @@ mod tests {
 
     #[test]
     fn users_arriving_together_are_ambiguous_not_orphaned() {
-        use Serving::{Ambiguous, Orphaned, Serving as Live};
+        use Orphan::Ambiguous;
         // One stays, one leaves, within the same second: which upstream serves the one
         // left is not known.
         let t = proxy(&[(100, true), (100, false)]);
@@ -358,7 +350,7 @@ mod tests {
             }
         }
         let st = statuses(&t);
-        assert_eq!(st[1].1, Some(Serving::Ambiguous), "{st:?}");
+        assert_eq!(st[1].1, Some(Orphan::Ambiguous), "{st:?}");
     }
 
     #[test]
@@ -369,14 +361,14 @@ mod tests {
         }
         let st = statuses(&t);
         assert!(
-            st.iter().all(|(_, s)| *s != Some(Serving::Orphaned)),
+            st.iter().all(|(_, s)| *s != Some(Orphan::Orphaned)),
             "{st:?}"
         );
         // With no user connected at all, every upstream is orphaned.
         let t = proxy(&[(100, false), (50, false)]);
         assert!(statuses(&t)
             .iter()
-            .all(|(_, s)| *s == Some(Serving::Orphaned)));
+            .all(|(_, s)| *s == Some(Orphan::Orphaned)));
     }
 
     #[test]

@@ -50,8 +50,11 @@ fn eligible(s: &Socket) -> bool {
     !matches!(s.state, TcpState::Listen | TcpState::TimeWait)
 }
 
+/// An endpoint as a hash key: address bits and port.
+type EpKey = (u128, u16);
+
 /// An endpoint as a hash key (IPv4 as mapped IPv6, like [`ConnKey`]).
-fn ep_key(e: Endpoint) -> (u128, u16) {
+fn ep_key(e: Endpoint) -> EpKey {
     let bits = match e.ip() {
         IpAddr::V4(v4) => v4.to_ipv6_mapped().to_bits(),
         IpAddr::V6(v6) => v6.to_bits(),
@@ -140,7 +143,7 @@ impl Ends {
 
     /// Rule 2: the reversed 4-tuple in another namespace.
     fn across(&mut self, table: &[Socket]) {
-        let mut global: FxHashMap<((u128, u16), (u128, u16)), Seen> = FxHashMap::default();
+        let mut global: FxHashMap<(EpKey, EpKey), Seen> = FxHashMap::default();
         for i in 0..table.len() {
             if self.unpaired_routable(table, i) {
                 let s = &table[i];
@@ -179,8 +182,8 @@ impl Ends {
 
     /// Rule 3: the client's source endpoint seen as a server's peer.
     fn dnat(&mut self, table: &[Socket]) {
-        let mut clients: FxHashMap<(u128, u16), Seen> = FxHashMap::default();
-        let mut servers: FxHashMap<(u128, u16), Seen> = FxHashMap::default();
+        let mut clients: FxHashMap<EpKey, Seen> = FxHashMap::default();
+        let mut servers: FxHashMap<EpKey, Seen> = FxHashMap::default();
         for i in 0..table.len() {
             if !self.unpaired_routable(table, i) {
                 continue;
@@ -192,7 +195,7 @@ impl Ends {
                 Direction::Listen => {}
             }
         }
-        let mut unsure: rustc_hash::FxHashSet<(u128, u16)> = Default::default();
+        let mut unsure: rustc_hash::FxHashSet<EpKey> = Default::default();
         for (src, c) in clients {
             let Some(sv) = servers.get(&src).copied() else {
                 continue;

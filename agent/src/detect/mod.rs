@@ -14,9 +14,10 @@ use std::collections::BTreeMap;
 
 use serde::Serialize;
 
-pub use downstream::{Downstreams, Serving};
-pub use ends::{Ends, PairedBy};
+pub use downstream::{Downstreams, Orphan};
+pub use ends::Ends;
 pub use idle::PeerCount;
+pub use quota::feeders;
 pub use scope::identity;
 pub use storm::{ConnKey, StormTracker};
 pub use upstream::UpstreamOwner;
@@ -139,7 +140,7 @@ pub struct OrphanCounts {
 
 impl OrphanCounts {
     /// The counts over `socks` (None when no feeder is a relay).
-    pub fn of(socks: &[&Socket], serving: impl Fn(&Socket) -> Option<Serving>) -> Option<Self> {
+    pub fn of(socks: &[&Socket], serving: impl Fn(&Socket) -> Option<Orphan>) -> Option<Self> {
         let mut c = OrphanCounts {
             feeding: 0,
             orphaned: 0,
@@ -148,9 +149,9 @@ impl OrphanCounts {
         };
         for s in socks {
             match serving(s) {
-                Some(Serving::Orphaned) => c.orphaned += 1,
-                Some(Serving::Serving) => c.serving += 1,
-                Some(Serving::Ambiguous) => c.ambiguous += 1,
+                Some(Orphan::Orphaned) => c.orphaned += 1,
+                Some(Orphan::Serving) => c.serving += 1,
+                Some(Orphan::Ambiguous) => c.ambiguous += 1,
                 None => continue,
             }
             c.feeding += 1;
@@ -392,14 +393,9 @@ impl<'a> Relations<'a> {
         let off = (s as *const Socket as usize).checked_sub(self.table.as_ptr() as usize)?;
         (off % size == 0 && off / size < self.table.len()).then_some(off / size)
     }
-    /// The other end of `s`'s connection on this host.
-    pub fn other_end(&self, s: &Socket) -> Option<&'a Socket> {
-        let j = self.ends().other(self.row(s)?)?;
-        self.table.get(j)
-    }
     /// Whether `s` (an upstream of a relaying process, or its far end) still serves a
     /// connected downstream.
-    pub fn serving(&self, s: &Socket) -> Option<Serving> {
+    pub fn serving(&self, s: &Socket) -> Option<Orphan> {
         self.downstreams().status(self.row(s)?)
     }
 }

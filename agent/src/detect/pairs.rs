@@ -2,7 +2,8 @@
 use std::collections::BTreeMap;
 
 use super::{
-    describe_owners, oldest_briefs, owner_identity, Finding, Kind, ProcessCount, Relations,
+    describe_owners, ends::PairedBy, oldest_briefs, owner_identity, Finding, Kind, ProcessCount,
+    Relations,
 };
 use crate::{
     config::DetectConfig,
@@ -15,6 +16,8 @@ use crate::{
 pub struct Pair<'a> {
     pub client: &'a Socket,
     pub server: &'a Socket,
+    /// Paired through a DNAT (the client dialled a Service address).
+    pub dnat: bool,
 }
 
 impl Pair<'_> {
@@ -31,6 +34,7 @@ pub fn local_pairs<'a>(rel: &Relations<'a>) -> Vec<Pair<'a>> {
         .map(|(c, s)| Pair {
             client: &table[c],
             server: &table[s],
+            dnat: rel.ends().how(c) == Some(PairedBy::Dnat),
         })
         .collect()
 }
@@ -88,7 +92,8 @@ pub fn detect<'a>(rel: &Relations<'a>, cfg: &DetectConfig) -> Vec<Finding> {
             .min()
             .unwrap_or_default();
         let key = format!("{}->{}:{port}", owner_identity(c), owner_identity(s));
-        let text = format!(
+        let dnat = pairs.iter().filter(|p| p.dnat).count();
+        let mut text = format!(
             "{} idle ESTABLISHED pair{} on port {port} between {} (client{}) and {} (server{}): idle ≥ {}, queues empty, oldest {}",
             pairs.len(),
             if pairs.len() == 1 { "" } else { "s" },
@@ -99,6 +104,12 @@ pub fn detect<'a>(rel: &Relations<'a>, cfg: &DetectConfig) -> Vec<Finding> {
             human(min_idle),
             human(oldest),
         );
+        if dnat > 0 {
+            text.push_str(&format!(
+                "; {dnat} through a DNAT (the client dialled {}, a Service address)",
+                c.peer
+            ));
+        }
         let mut f = if c.netns.inode == s.netns.inode {
             Finding::new(Kind::StuckEstablishedPairs, &key, text).scoped(&c.netns, s.container())
         } else {

@@ -163,6 +163,45 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
     out
 }
 
+/// The processes (pid, namespace inode) feeding the saturated entries of quota `qcfg`: the
+/// hop's origins when one is followed, else the other ends of the quota's connections. A
+/// quota-triggered policy may act on their sockets in their namespaces: that is where a leak
+/// through a relay is (the proxy's pod), not the quota's.
+pub fn feeders(
+    qcfg: &QuotaConfig,
+    status: &QuotaStatus,
+    saturation: f64,
+    rel: &Relations<'_>,
+) -> Vec<(u32, u32)> {
+    let table = rel.table();
+    let other_end = rel.ends().by_skaddr(table);
+    let scope = Scope::of(qcfg, table);
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for entry in &status.entries {
+        if (entry.used as f64) < saturation * entry.limit as f64 {
+            continue;
+        }
+        let conns = connections(qcfg, &scope, entry, table);
+        let up = upstream_of(qcfg, entry, &conns, table, &other_end);
+        let feeding: Vec<&Socket> = if up.hops.is_empty() {
+            conns
+                .iter()
+                .filter_map(|s| other_end.get(&s.skaddr).copied())
+                .collect()
+        } else {
+            up.hops.iter().map(|h| h.origin).collect()
+        };
+        out.extend(
+            feeding
+                .iter()
+                .filter_map(|s| Some((s.pid()?, s.netns.inode))),
+        );
+    }
+    out.sort_unstable();
+    out.dedup();
+    out
+}
+
 /// The quota holder's end of connection `s`: its other end when `s` was accepted (on the
 /// quota's port), else `s` itself.
 fn dial_of<'a>(s: &'a Socket, other_end: &FxHashMap<u64, &'a Socket>) -> Option<&'a Socket> {

@@ -15,7 +15,7 @@ use std::{
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use super::downstream::Serving;
+use super::downstream::Orphan;
 use crate::table::{Direction, Socket, TcpState};
 
 /// Longest time between a holder accepting a connection and the connection it dials for it
@@ -220,7 +220,7 @@ fn by_timing<'a>(dials: &[&'a Socket], fed: &[(&'a Socket, &'a Socket)]) -> Vec<
 pub fn owners(
     up: &Upstream<'_>,
     idle: impl Fn(&Socket) -> bool,
-    serving: impl Fn(&Socket) -> Option<Serving>,
+    serving: impl Fn(&Socket) -> Option<Orphan>,
 ) -> Vec<UpstreamOwner> {
     let Some(matched_by) = up.matched_by else {
         return Vec::new();
@@ -254,9 +254,9 @@ pub fn owners(
             o.idle += 1;
         }
         match serving(h.origin) {
-            Some(Serving::Orphaned) => o.orphaned += 1,
-            Some(Serving::Serving) => o.serving += 1,
-            Some(Serving::Ambiguous) => o.ambiguous += 1,
+            Some(Orphan::Orphaned) => o.orphaned += 1,
+            Some(Orphan::Serving) => o.serving += 1,
+            Some(Orphan::Ambiguous) => o.ambiguous += 1,
             None => {}
         }
     }
