@@ -162,11 +162,13 @@ impl Scanner {
             NsEvent::Enter(ns) => {
                 // Read on the thread inside the namespace: its own sysctl.
                 let ephemeral = procfs::ephemeral_ports();
-                let _ = b.begin_namespace(netns_row(ns), ephemeral.clone());
+                let keepalive = procfs::keepalive();
+                let _ = b.begin_namespace(netns_row(ns, keepalive), ephemeral.clone());
                 walked.push((
                     ns.inode,
                     (!ns.own).then(|| Walked {
                         ephemeral,
+                        keepalive,
                         at_ns: start_ns,
                         unheld: Vec::new(),
                     }),
@@ -300,8 +302,13 @@ fn owners_and_between(
     let parts: FxHashMap<u32, usize> = between
         .iter()
         .map(|ns| {
-            let ephemeral = walks.last(ns.inode).and_then(|w| w.ephemeral.clone());
-            (ns.inode, b.begin_namespace(netns_row(ns), ephemeral))
+            let last = walks.last(ns.inode);
+            let ephemeral = last.and_then(|w| w.ephemeral.clone());
+            let keepalive = last.and_then(|w| w.keepalive);
+            (
+                ns.inode,
+                b.begin_namespace(netns_row(ns, keepalive), ephemeral),
+            )
         })
         .collect();
     let mut held = FxHashSet::default();
@@ -328,10 +335,11 @@ fn owners_and_between(
 }
 
 /// A namespace as the table's rows name it.
-fn netns_row(ns: &Namespace) -> Arc<Netns> {
+fn netns_row(ns: &Namespace, keepalive: Option<crate::table::Keepalive>) -> Arc<Netns> {
     Arc::new(Netns {
         inode: ns.inode,
         name: ns.name.as_deref().map(Box::from),
         own: ns.own,
+        keepalive,
     })
 }

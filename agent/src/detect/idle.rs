@@ -3,7 +3,7 @@
 //! flaky network, a peer host powered off), this host sees only its own end: ESTABLISHED,
 //! queues empty, idle for a long time. Without TCP keepalive or an application heartbeat the
 //! kernel never finds out, and the socket stays forever.
-use std::{collections::BTreeMap, net::IpAddr};
+use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
 use serde::Serialize;
 
@@ -106,10 +106,31 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
     if distinct > top.len() {
         peer_text.push(format!("{} more", distinct - top.len()));
     }
+    // With keepalive, the kernel resets a socket whose peer is gone once it has been idle
+    // for the namespace's time + probes × interval (sockets may override these; the
+    // namespace's are what most use).
+    let ka = socks[0].netns.keepalive.unwrap_or_default();
+    let reap_after = ka.reap_after();
+    let reap_in = socks
+        .iter()
+        .filter(|s| s.keepalive)
+        .map(|s| reap_after.saturating_sub(s.idle.unwrap_or_default()))
+        .max();
+    let ka_rule = format!(
+        "tcp_keepalive_time {}s + {} × {}s",
+        ka.time_secs, ka.probes, ka.intvl_secs
+    );
     let keepalive_text = match keepalive_on {
         0 => "TCP keepalive off: the kernel never finds out if the peer is gone".to_string(),
-        k if k == n => "TCP keepalive on".to_string(),
-        k => format!("TCP keepalive on for {k} of {n}"),
+        k if k == n && reap_in == Some(Duration::ZERO) => format!(
+            "TCP keepalive on and every one idle past {} ({ka_rule}), when the kernel resets a socket whose peer is gone: the peers answer keepalive probes, so they are alive (idle connections, not ghosts)",
+            human(reap_after)
+        ),
+        k => format!(
+            "TCP keepalive on{}: if the peer is gone the kernel reaps them within {} ({ka_rule})",
+            if k == n { String::new() } else { format!(" for {k} of {n}") },
+            human(reap_in.unwrap_or_default())
+        ),
     };
     let owners = processes(socks.iter().copied());
     // Identity without the pid (see `owner_identity`): a restarted service keeps its alert.
@@ -134,6 +155,7 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
     f.processes = owners;
     f.sockets = oldest_briefs(socks.iter().copied());
     f.keepalive = Some(keepalive_on == n);
+    f.keepalive_reap_secs = reap_in.map(round_secs);
     f.peers = top;
     f
 }
@@ -210,12 +232,39 @@ mod tests {
         }
         let f = &det(&t, &cfg)[0];
         assert_eq!(f.keepalive, Some(true));
-        assert!(f.summary.contains("; TCP keepalive on;"), "{}", f.summary);
+        // Idle 700 s of Linux's default 7875 s (2h + 9 × 75s).
+        assert_eq!(f.keepalive_reap_secs, Some(7175.0));
+        assert!(
+            f.summary.contains("; TCP keepalive on: if the peer is gone the kernel reaps them within 1h59m (tcp_keepalive_time 7200s + 9 × 75s);"),
+            "{}",
+            f.summary
+        );
+        // A namespace that probes after 60 s, 3 × 10 s: past 90 s idle the peers answered.
+        let short = std::sync::Arc::new(crate::table::Netns {
+            keepalive: Some(crate::table::Keepalive {
+                time_secs: 60,
+                intvl_secs: 10,
+                probes: 3,
+            }),
+            ..(*t[0].netns).clone()
+        });
+        let mut alive = t.clone();
+        for s in &mut alive {
+            s.netns = short.clone();
+        }
+        let f = &det(&alive, &cfg)[0];
+        assert_eq!(f.keepalive_reap_secs, Some(0.0));
+        assert!(
+            f.summary.contains("the peers answer keepalive probes, so they are alive (idle connections, not ghosts)"),
+            "{}",
+            f.summary
+        );
         t[0].keepalive = false;
         let f = &det(&t, &cfg)[0];
         assert_eq!(f.keepalive, Some(false));
         assert!(
-            f.summary.contains("TCP keepalive on for 63 of 64"),
+            f.summary
+                .contains("TCP keepalive on for 63 of 64: if the peer is gone"),
             "{}",
             f.summary
         );

@@ -194,6 +194,11 @@ pub struct Finding {
     /// idle_established_buildup: whether TCP keepalive is on for every one of the sockets.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keepalive: Option<bool>,
+    /// idle_established_buildup with keepalive on: seconds until the kernel resets the last of
+    /// them if the peer is gone (from the namespace's tcp_keepalive_* sysctls); 0 when they are
+    /// all past that, so the peer answers probes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keepalive_reap_secs: Option<f64>,
     /// idle_established_buildup: the remote addresses, most sockets first (a few).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<PeerCount>,
@@ -237,6 +242,7 @@ impl Finding {
             rate_per_sec: None,
             reason: None,
             keepalive: None,
+            keepalive_reap_secs: None,
             peers: Vec::new(),
             upstream: Vec::new(),
             orphans: None,
@@ -273,6 +279,7 @@ impl Finding {
             inode: self.netns,
             name: self.netns_name.as_deref().map(Box::from),
             own: self.netns_own,
+            keepalive: None,
         }
         .label()
     }

@@ -98,6 +98,7 @@ pub(crate) mod testutil {
             inode,
             name: name.map(Box::from),
             own: false,
+            keepalive: None,
         })
     }
 

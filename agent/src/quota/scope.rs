@@ -90,6 +90,7 @@ pub(crate) fn placed(mut s: Socket, ns: u32, container: Option<&str>) -> Socket 
         inode: ns,
         name: (ns == 2).then(|| "blue".into()),
         own: ns == 1,
+        keepalive: None,
     });
     if let Some(owner) = s.owner.as_mut() {
         let mut o = (**owner).clone();
