@@ -15,7 +15,7 @@ use socket2::{Domain, Socket, Type};
 const USAGE: &str = "\
 usage: connreap-testpeer close-wait --addr IP:PORT --count N
        connreap-testpeer listen --addr IP:PORT [--chatty-ms M] [--close-after-ms M] [--keepalive]
-       connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M]
+       connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M] [--keepalive]
        connreap-testpeer storm --addr IP:PORT [--start-rate R] [--max-rate R] [--duration-ms D]
                          [--thread-name NAME]
 
@@ -29,7 +29,13 @@ storm       connect and close at once, in a loop: START-RATE connections/s (defa
 --chatty-ms write one byte every M ms on each connection and read whatever arrives
 --close-after-ms  (listen) close each accepted connection M ms after accepting it, like a
             server's keep-alive timeout (0: at once)
---keepalive (listen) turn TCP keepalive on (SO_KEEPALIVE) for each accepted connection
+--keepalive (listen) turn TCP keepalive on (SO_KEEPALIVE) for each accepted connection;
+            (connect) for each connection, before it connects
+--netns-file PATH  (close-wait, listen, connect) make the sockets inside the network
+            namespace PATH (`/run/netns/NAME`, `/proc/PID/ns/net`): setns(2) into it, make
+            them, setns(2) back to the namespace the process started in, then print `ready`
+            (with `netns=INODE` of PATH's namespace and `home=INODE` of its own) and hold them
+            from there
 
 IPv6 addresses go in brackets ([::1]:7000). A v4-mapped address ([::ffff:127.0.0.1]:7000)
 listens dual-stack on [::]:PORT and connects from AF_INET6 sockets, like a JVM.
@@ -42,6 +48,7 @@ struct Args {
     chatty: Option<Duration>,
     close_after: Option<Duration>,
     keepalive: bool,
+    netns_file: Option<std::path::PathBuf>,
     storm: StormArgs,
 }
 
@@ -68,6 +75,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
     };
     let mut storm_flags = false;
     let mut keepalive = false;
+    let mut netns_file = None;
     let mut rest = argv[1..].iter();
     while let Some(flag) = rest.next() {
         if flag == "--keepalive" {
@@ -90,6 +98,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
                 let ms = value.parse::<u64>().map_err(|e| bad(&e))?;
                 close_after = Some(Duration::from_millis(ms));
             }
+            "--netns-file" => netns_file = Some(std::path::PathBuf::from(value)),
             "--thread-name" => {
                 storm.thread_name = Some(value.clone());
                 storm_flags = true;
@@ -125,8 +134,11 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
     if mode != "listen" && close_after.is_some() {
         return Err("only listen takes --close-after-ms".into());
     }
-    if mode != "listen" && keepalive {
-        return Err("only listen takes --keepalive".into());
+    if !["listen", "connect"].contains(&mode.as_str()) && keepalive {
+        return Err("only listen and connect take --keepalive".into());
+    }
+    if mode == "storm" && netns_file.is_some() {
+        return Err("storm takes no --netns-file".into());
     }
     if mode != "storm" && storm_flags {
         return Err(
@@ -143,6 +155,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         chatty,
         close_after,
         keepalive,
+        netns_file,
         storm,
     })
 }
@@ -179,6 +192,74 @@ fn dial_addr(addr: SocketAddr, listener: &TcpListener) -> Result<SocketAddr, Str
 
 fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
     TcpStream::connect(addr).map_err(|e| format!("cannot connect to {addr}: {e}"))
+}
+
+/// [`connect`], with TCP keepalive turned on before the handshake when `keepalive`.
+fn connect_with(addr: SocketAddr, keepalive: bool) -> Result<TcpStream, String> {
+    if !keepalive {
+        return connect(addr);
+    }
+    let fail = |e: std::io::Error| format!("cannot connect to {addr}: {e}");
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None).map_err(fail)?;
+    sock.set_keepalive(true).map_err(fail)?;
+    sock.connect(&addr.into()).map_err(fail)?;
+    Ok(sock.into())
+}
+
+/// Where `--netns-file` took the process: back to `home` (its own namespace) once the
+/// sockets exist.
+struct Away {
+    home: std::fs::File,
+    /// Inodes of the namespace entered and of the process's own.
+    there: u64,
+    home_inode: u64,
+}
+
+fn setns(f: &std::fs::File, what: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setns(2) on an open namespace fd; it changes only the calling thread's network
+    // namespace, and sockets keep the namespace they were made in.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "setns({what}): {}",
+            std::io::Error::last_os_error()
+        ))
+    }
+}
+
+/// Enters the namespace at `path` (when given), remembering the way back.
+fn go_away(path: Option<&std::path::Path>) -> Result<Option<Away>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(path) = path else { return Ok(None) };
+    let own = "/proc/thread-self/ns/net";
+    let home = std::fs::File::open(own).map_err(|e| format!("open {own}: {e}"))?;
+    let target = std::fs::File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+    let ino = |f: &std::fs::File, what: &str| {
+        f.metadata()
+            .map(|m| m.ino())
+            .map_err(|e| format!("fstat {what}: {e}"))
+    };
+    let away = Away {
+        there: ino(&target, &path.display().to_string())?,
+        home_inode: ino(&home, own)?,
+        home,
+    };
+    setns(&target, &path.display().to_string())?;
+    Ok(Some(away))
+}
+
+/// Back home (when away); the `ready` fields saying where the sockets are.
+fn come_back(away: Option<Away>) -> Result<Vec<(&'static str, String)>, String> {
+    let Some(away) = away else {
+        return Ok(Vec::new());
+    };
+    setns(&away.home, "the process's own namespace")?;
+    Ok(vec![
+        ("netns", away.there.to_string()),
+        ("home", away.home_inode.to_string()),
+    ])
 }
 
 /// Keep `conn` open forever; when chatty, write a byte every `every` and read what arrives.
@@ -227,6 +308,7 @@ fn local_addrs(conns: &[TcpStream]) -> String {
 }
 
 fn close_wait(args: &Args) -> Result<(), String> {
+    let away = go_away(args.netns_file.as_deref())?;
     let listener = listen(args.addr)?;
     let target = dial_addr(args.addr, &listener)?;
     let clients = (0..args.count)
@@ -246,18 +328,23 @@ fn close_wait(args: &Args) -> Result<(), String> {
             Err(e) => return Err(format!("waiting for the FIN: {e}")),
         }
     }
-    ready(&[
+    let mut fields = vec![
         ("port", target.port().to_string()),
         ("count", clients.len().to_string()),
         ("locals", local_addrs(&clients)),
-    ]);
+    ];
+    fields.extend(come_back(away)?);
+    ready(&fields);
     sleep_forever((listener, clients))
 }
 
 fn listen_and_hold(args: &Args) -> Result<(), String> {
+    let away = go_away(args.netns_file.as_deref())?;
     let listener = listen(args.addr)?;
     let port = dial_addr(args.addr, &listener)?.port();
-    ready(&[("port", port.to_string())]);
+    let mut fields = vec![("port", port.to_string())];
+    fields.extend(come_back(away)?);
+    ready(&fields);
     loop {
         let accepted = listener.accept().and_then(|(conn, peer)| {
             if args.keepalive {
@@ -287,14 +374,17 @@ fn listen_and_hold(args: &Args) -> Result<(), String> {
 }
 
 fn connect_and_hold(args: &Args) -> Result<(), String> {
+    let away = go_away(args.netns_file.as_deref())?;
     let clients = (0..args.count)
-        .map(|_| connect(args.addr))
+        .map(|_| connect_with(args.addr, args.keepalive))
         .collect::<Result<Vec<_>, _>>()?;
-    ready(&[
+    let mut fields = vec![
         ("port", args.addr.port().to_string()),
         ("count", clients.len().to_string()),
         ("locals", local_addrs(&clients)),
-    ]);
+    ];
+    fields.extend(come_back(away)?);
+    ready(&fields);
     for c in clients {
         hold(c, args.chatty);
     }
