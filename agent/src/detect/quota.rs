@@ -93,7 +93,15 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
                 .flat_map(|s| [Some(*s), other_end.get(&s.skaddr).copied()])
                 .flatten()
                 .collect();
-            let feeders = upstream::owners(&up, quiet, |s| rel.serving(s));
+            let mut feeders = upstream::owners(&up, quiet, |s| rel.serving(s));
+            // With a port_map, the feeders are the other ends of the quota's own connections:
+            // listed the same way (the summary's "held by" already names them).
+            let mapped =
+                up.hops.is_empty() && qcfg.is_http() && qcfg.socket_port(entry.port) != entry.port;
+            if mapped {
+                let by_map = upstream::mapped(&conns, &other_end);
+                feeders = upstream::owners(&by_map, quiet, |s| rel.serving(s));
+            }
             // The feeding connections: the hop's when one was followed, else the other ends of
             // the quota's own (a port_map names the port the feeder dials).
             let feeding: Vec<&Socket> = if up.hops.is_empty() {
@@ -108,7 +116,7 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
             let procs = processes(ends.iter().copied().chain(up.hops.iter().map(|h| h.origin)));
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
             let mut summary = summary(qcfg, &scope, entry, &conns, &idle, &other_end, cfg);
-            if !feeders.is_empty() {
+            if !feeders.is_empty() && !mapped {
                 summary.push_str(&format!("; {}", upstream::describe(&feeders)));
             } else if let Some(o) = &orphans {
                 summary.push_str(&format!(

@@ -44,6 +44,9 @@ pub enum MatchedBy {
     /// Every connection on the holder's busiest inbound port (ages only lower bounds, or
     /// dials further than [`MATCH_WINDOW`] from their accepts).
     Port,
+    /// The quota's `port_map` names the port: its connections' other ends.
+    #[serde(rename = "port_map")]
+    PortMap,
 }
 
 #[derive(Debug, Default)]
@@ -179,6 +182,28 @@ pub fn follow<'a>(
     }
 }
 
+/// The quota's own connections (accepted on the port a `port_map` names) as hops from the
+/// processes at their other ends.
+pub fn mapped<'a>(conns: &[&'a Socket], other_end: &FxHashMap<u64, &'a Socket>) -> Upstream<'a> {
+    let hops: Vec<Hop<'a>> = conns
+        .iter()
+        .filter(|s| s.direction == Direction::Inbound)
+        .filter_map(|&s| {
+            let o = other_end.get(&s.skaddr).copied()?;
+            (o.pid().is_some() && o.pid() != s.pid()).then_some(Hop {
+                dial: s,
+                accepted: s,
+                origin: o,
+            })
+        })
+        .collect();
+    Upstream {
+        matched_by: (!hops.is_empty()).then_some(MatchedBy::PortMap),
+        hops,
+        by_dial: FxHashMap::default(),
+    }
+}
+
 /// Each dial (youngest first) takes the youngest unmatched accept of the same holder that is
 /// older, by at most [`MATCH_WINDOW`]: one-to-one, each dial to the accept it was made for
 /// when the holder dials right after accepting. Sockets whose age is only a lower bound take
@@ -289,6 +314,7 @@ pub fn describe(owners: &[UpstreamOwner]) -> String {
                 match o.matched_by {
                     MatchedBy::Timing => "timing",
                     MatchedBy::Port => "port",
+                    MatchedBy::PortMap => "port_map",
                 }
             )
         })
@@ -548,7 +574,15 @@ mod tests {
     #[test]
     fn port_map_stays_the_explicit_way() {
         let f = run(&chain(64, 1, 360, 360), true);
-        assert!(f.upstream.is_empty());
+        assert_eq!(f.upstream.len(), 1, "{:?}", f.upstream);
+        assert_eq!(
+            (
+                f.upstream[0].pid,
+                f.upstream[0].count,
+                f.upstream[0].matched_by
+            ),
+            (Some(10), 64, MatchedBy::PortMap)
+        );
         assert_eq!(pids(&f), [(Some(10), "node", 64), (Some(20), "relay", 64)]);
         assert!(!f.summary.contains("fed through"), "{}", f.summary);
     }
