@@ -55,7 +55,7 @@ fn processes_in(inode: u64) -> Vec<u32> {
 #[test]
 fn sockets_of_a_namespace_with_no_name_and_no_process_are_still_seen() {
     let Some((_env, _root)) = setup() else { return };
-    let ns = Named(format!("cr-hidden-{}", std::process::id()));
+    let ns = Named(format!("cr-hidden-{}-0", std::process::id()));
     ip(&["netns", "add", &ns.0]);
     ip(&["-n", &ns.0, "link", "set", "lo", "up"]);
     let path = format!("/run/netns/{}", ns.0);

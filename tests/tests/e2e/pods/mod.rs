@@ -15,6 +15,7 @@
 mod dnat_pair;
 mod ghost;
 mod hidden_netns;
+mod layout;
 mod relay_incident;
 mod storm;
 
@@ -118,7 +119,7 @@ fn assert_in_pod(b: &Value, pod: &Pod, what: &str) {
     assert_container(b, pod, what);
 }
 
-/// [`assert_in_pod`] for the container fields only (an entry that carries no `netns_name`).
+/// The container fields of [`assert_in_pod`].
 fn assert_container(b: &Value, pod: &Pod, what: &str) {
     if !pod.has_container() {
         assert!(
