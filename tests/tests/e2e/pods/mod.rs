@@ -68,7 +68,7 @@ fn host_config(dir: &TempDir, hook: &WebhookReceiver) -> Config {
 /// How long a report may take once its cause is in place (thresholds here are 1-3 s, scans
 /// every second): shorter than the harness's `FINDING`, so that a test that fails on one
 /// part still checks the others well within a minute.
-const REPORT_WAIT: Duration = Duration::from_secs(15);
+const REPORT_WAIT: Duration = Duration::from_secs(12);
 
 /// The body of the first alert the receiver got that matches `pred`, waiting up to
 /// [`REPORT_WAIT`]; panics saying `what` was expected, with every alert received and the

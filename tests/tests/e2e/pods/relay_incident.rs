@@ -157,7 +157,7 @@ fn relay_incident(chain: &PodChain, quota: RelayQuota, side: Side) {
         Side::Relay => "the relay-side policy, enforced, frees the quota",
     };
     parts.check(part, || {
-        let freed = wait_until(MIN_IDLE + SCAN * 10, POLL, || {
+        let freed = wait_until(MIN_IDLE + SCAN * 6, POLL, || {
             chain.try_streams().filter(|n| *n < MAX_STREAMS)
         });
         assert!(
