@@ -259,6 +259,36 @@ impl PodChain {
         self.proxy_upstreams().iter().map(|s| s.local).collect()
     }
 
+    /// Closes the proxy's upstream connection from `local` by hand, as `ss -K` does (netlink
+    /// SOCK_DESTROY, inside the proxy pod): the relay gets a RST, the proxy an error. What a
+    /// reclaim of that one connection does.
+    pub fn kill_upstream(&self, local: SocketAddr) {
+        let out = std::process::Command::new("ip")
+            .args(["netns", "exec", self.proxy_pod.name(), "ss", "-K", "-tn"])
+            .args([
+                "src",
+                &local.ip().to_string(),
+                "sport",
+                "=",
+                &format!(":{}", local.port()),
+            ])
+            .args(["dst", &self.upstream.ip().to_string()])
+            .args(["dport", "=", &format!(":{}", self.upstream.port())])
+            .output()
+            .unwrap_or_else(|e| panic!("ss -K: {e}"));
+        assert!(
+            out.status.success(),
+            "ss -K {local} -> {}: {}",
+            self.upstream,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+
+    /// Whether the proxy still runs.
+    pub fn proxy_alive(&self) -> bool {
+        super::process::alive(self.proxy.pid())
+    }
+
     /// A user in the users' pod who opens `path` (`/events` quiet, `/ticks` live) and stays.
     pub fn stay(&self, path: &str) -> User {
         User::open(self.users.ns(), self.proxy_addr(), path)

@@ -11,15 +11,13 @@ use std::{collections::BTreeSet, net::SocketAddr};
 use connreap_tests::{
     fixtures::ss_tcp,
     harness::{
-        alerts::{describe, wait_post},
-        containers::FakeContainer,
-        pods::Node,
-        wait_until, Agent, TempDir, HTTP, POLL,
+        alerts::describe, containers::FakeContainer, pods::Node, wait_until, Agent, TempDir, HTTP,
+        POLL,
     },
 };
 use serde_json::Value;
 
-use super::{host_config, host_receiver, names_pid, setup};
+use super::{host_config, host_receiver, names_pid, setup, wait_alert, Parts};
 
 /// The server's port in its pod, and the Service's.
 const SERVER_PORT: u16 = 8080;
@@ -87,39 +85,41 @@ fn idle_pair_through_a_service_is_a_pair_not_two_ghosts() {
     let agent = Agent::start_in_host(&dir, &config);
 
     let both = |b: &Value| names_pid(b, client.pid()) && names_pid(b, server.pid());
-    let pair = wait_post(
-        &hook,
-        &agent,
-        "stuck_established_pairs naming both the client and the server (issue 26: pairs across \
-         namespaces, through a Service's DNAT)",
-        |b| b["kind"] == "stuck_established_pairs" && b["status"] == "firing" && both(b),
-    )
-    .body;
-    assert_eq!(pair["count"], PAIRS, "{pair:#}");
-    assert_eq!(
-        pair["service_port"], SERVER_PORT,
-        "the service port is the server's own (what it listens on), not the ClusterIP's: {pair:#}"
-    );
-
+    let mut parts = Parts::new();
+    parts.check("a stuck_established_pairs naming both ends", || {
+        let pair = wait_alert(
+            &hook,
+            &agent,
+            "a stuck_established_pairs alert naming both the client and the server (pairs across \
+             namespaces, through a Service's DNAT)",
+            |b| b["kind"] == "stuck_established_pairs" && b["status"] == "firing" && both(b),
+        );
+        assert_eq!(pair["count"], PAIRS, "{pair:#}");
+        assert_eq!(
+            pair["service_port"], SERVER_PORT,
+            "the service port is the server's own (what it listens on), not the ClusterIP's: \
+             {pair:#}"
+        );
+    });
     // Not ghosts: over the next scans, neither end is an idle_established_buildup.
     agent.wait_scans(3);
-    let ghost = |b: &Value| {
-        b["kind"] == "idle_established_buildup"
-            && (names_pid(b, client.pid()) || names_pid(b, server.pid()))
-    };
-    let ghosts: Vec<Value> = agent.findings().into_iter().filter(|f| ghost(f)).collect();
-    assert!(
-        ghosts.is_empty(),
-        "paired connections must not be reported as one-sided ghosts: {ghosts:#?}"
-    );
-    let posted: Vec<_> = hook
-        .posts()
-        .into_iter()
-        .filter(|p| ghost(&p.body))
-        .collect();
-    assert!(
-        posted.is_empty(),
-        "the receiver got ghost alerts for a pair:\n{}",
-        describe(&posted)
-    );
+    parts.check("no idle_established_buildup for either end", || {
+        let ghost = |b: &Value| {
+            b["kind"] == "idle_established_buildup"
+                && (names_pid(b, client.pid()) || names_pid(b, server.pid()))
+        };
+        let ghosts: Vec<Value> = agent.findings().into_iter().filter(|f| ghost(f)).collect();
+        let posted: Vec<_> = hook
+            .posts()
+            .into_iter()
+            .filter(|p| ghost(&p.body))
+            .collect();
+        assert!(
+            ghosts.is_empty() && posted.is_empty(),
+            "issue 26: paired connections must not be reported as one-sided ghosts; the \
+             receiver got:\n{}\ncurrent ghost findings: {ghosts:#?}",
+            describe(&posted)
+        );
+    });
+    parts.finish();
 }

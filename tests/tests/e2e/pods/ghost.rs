@@ -16,7 +16,6 @@
 use connreap_tests::{
     fixtures::ss_tcp,
     harness::{
-        alerts::wait_post,
         containers::FakeContainer,
         pods::{netns_sysctl, Node},
         wait_until, Agent, TempDir, HTTP, PEER_COMM, POLL,
@@ -24,7 +23,7 @@ use connreap_tests::{
 };
 use serde_json::{json, Value};
 
-use super::{assert_in_pod, host_config, host_receiver, names_pid, setup};
+use super::{assert_in_pod, host_config, host_receiver, names_pid, setup, wait_alert, Parts};
 
 /// Connections per client: the finding's threshold.
 const GHOSTS: usize = 8;
@@ -100,50 +99,51 @@ fn ghosts_of_a_deleted_pod_stay_ghosts_and_keepalive_says_when_they_go() {
     ));
     let agent = Agent::start_in_host(&dir, &config);
 
+    let mut parts = Parts::new();
     for (client, port, keepalive) in [(&plain, 7600, false), (&kept, 7601, true)] {
-        let b = wait_post(
-            &hook,
-            &agent,
-            &format!("idle_established_buildup for the client of {server_ip}:{port}"),
-            |b| {
+        let part = format!("the ghosts of {server_ip}:{port} (keepalive {keepalive})");
+        parts.check(&part, || {
+            let what = format!("an idle_established_buildup for the client of {server_ip}:{port}");
+            let b = wait_alert(&hook, &agent, &what, |b| {
                 b["kind"] == "idle_established_buildup"
                     && b["status"] == "firing"
                     && names_pid(b, client.pid())
-            },
-        )
-        .body;
-        let ctx = format!("idle_established_buildup:\n{b:#}");
-        assert_eq!(b["count"], GHOSTS, "{ctx}");
-        assert_eq!(b["service_port"], port, "{ctx}");
-        assert_eq!(b["keepalive"], keepalive, "{ctx}");
-        assert_eq!(
-            b["peers"],
-            json!([{"addr": server_ip, "count": GHOSTS}]),
-            "{ctx}"
-        );
-        assert_eq!(b["processes"][0]["comm"], PEER_COMM, "{ctx}");
-        assert_in_pod(&b, &client_pod, "the ghost finding");
-        let summary = b["summary"].as_str().unwrap_or_default();
-        if keepalive {
-            assert_reap_time(&b, summary);
-        } else {
-            assert!(
-                b.get("keepalive_reap_secs").is_none_or(Value::is_null),
-                "no keepalive, no reap time: {ctx}"
+            });
+            let ctx = format!("idle_established_buildup:\n{b:#}");
+            assert_eq!(b["count"], GHOSTS, "{ctx}");
+            assert_eq!(b["service_port"], port, "{ctx}");
+            assert_eq!(b["keepalive"], keepalive, "{ctx}");
+            assert_eq!(
+                b["peers"],
+                json!([{"addr": server_ip, "count": GHOSTS}]),
+                "{ctx}"
             );
-            assert!(!summary.contains("reaped by keepalive"), "{summary}");
-        }
+            assert_eq!(b["processes"][0]["comm"], PEER_COMM, "{ctx}");
+            assert_in_pod(&b, &client_pod, "the ghost finding");
+            let summary = b["summary"].as_str().unwrap_or_default();
+            if keepalive {
+                assert_reap_time(&b, summary);
+            } else {
+                assert!(
+                    b.get("keepalive_reap_secs").is_none_or(Value::is_null),
+                    "no keepalive, no reap time: {ctx}"
+                );
+                assert!(!summary.contains("reaped by keepalive"), "{summary}");
+            }
+        });
     }
-    // Their other end is gone: nothing to pair them with.
-    let pairs: Vec<Value> = agent
-        .findings()
-        .into_iter()
-        .filter(|f| {
-            f["kind"] == "stuck_established_pairs"
-                && (names_pid(f, plain.pid()) || names_pid(f, kept.pid()))
-        })
-        .collect();
-    assert!(pairs.is_empty(), "ghosts paired with nothing: {pairs:#?}");
+    parts.check("not paired with anything", || {
+        let pairs: Vec<Value> = agent
+            .findings()
+            .into_iter()
+            .filter(|f| {
+                f["kind"] == "stuck_established_pairs"
+                    && (names_pid(f, plain.pid()) || names_pid(f, kept.pid()))
+            })
+            .collect();
+        assert!(pairs.is_empty(), "their other end is gone: {pairs:#?}");
+    });
+    parts.finish();
 }
 
 /// issue 26: `keepalive_reap_secs` = when the kernel will reap the sockets, from the client

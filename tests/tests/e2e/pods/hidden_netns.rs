@@ -6,7 +6,13 @@
 //! `/v1/sockets` and the `close_wait_buildup` finding (issue 26: no namespace is lost while a
 //! socket in it is alive).
 
-use std::{os::unix::fs::MetadataExt, process::Command};
+use std::{
+    os::{
+        fd::{AsRawFd, FromRawFd, OwnedFd},
+        unix::{fs::MetadataExt, process::CommandExt},
+    },
+    process::Command,
+};
 
 use connreap_tests::harness::{
     ip, program, snapshot_in_host, sockets, wait_until, Agent, Child, TempDir, FINDING, POLL,
@@ -14,7 +20,7 @@ use connreap_tests::harness::{
 };
 use serde_json::Value;
 
-use super::{host_config, host_receiver, names_pid, setup};
+use super::{host_config, host_receiver, names_pid, setup, Parts};
 
 const PORT: u16 = 7700;
 const LEAKED: usize = 6;
@@ -49,7 +55,7 @@ fn processes_in(inode: u64) -> Vec<u32> {
 #[test]
 fn sockets_of_a_namespace_with_no_name_and_no_process_are_still_seen() {
     let Some((_env, _root)) = setup() else { return };
-    let ns = Named(format!("cr-hidden-{}", std::process::id()));
+    let ns = Named(format!("cr-hidden-{}-0", std::process::id()));
     ip(&["netns", "add", &ns.0]);
     ip(&["-n", &ns.0, "link", "set", "lo", "up"]);
     let path = format!("/run/netns/{}", ns.0);
@@ -107,61 +113,143 @@ fn sockets_of_a_namespace_with_no_name_and_no_process_are_still_seen() {
         Vec::<u32>::new(),
         "processes in {inode}"
     );
-    let ss_count = || {
-        let out = Command::new("ss")
-            .args(["-Htanp", "state", "close-wait"])
-            .output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).into_owned())
-            .unwrap_or_default();
-        out.lines()
-            .filter(|l| l.contains(&format!("pid={},", holder.pid())))
-            .count()
-    };
-    // `ss` in the host's namespace cannot see them: they are in the hidden one.
-    assert_eq!(ss_count(), 0, "the leak is not in the host's namespace");
-
-    // Over several walks (every 2 s) and the scans between, the leak stays in view.
-    for _ in 0..3 {
-        agent.wait_scans(2);
-        let f = agent.find("close_wait_buildup", mine).unwrap_or_else(|| {
-            panic!(
-                "issue 26: after `ip netns del`, the close_wait_buildup in namespace {inode} \
-                 (held by pid {}) must go on: findings {:#?}\n{}",
-                holder.pid(),
-                agent.findings(),
-                agent.ctx()
-            )
-        });
-        assert_eq!(f["count"], LEAKED, "{f:#}");
-    }
-    let (code, body) = agent.get(&format!(
-        "/v1/sockets?state=CLOSE_WAIT&pid={}",
-        holder.pid()
-    ));
-    assert_eq!(code, 200, "{body}");
-    let rows = body["sockets"].as_array().cloned().unwrap_or_default();
+    // `ss` in the host's namespace cannot see them; `ss` inside the hidden namespace, reached
+    // through one of the holder's sockets (SIOCGSKNS), shows them all, still CLOSE-WAIT.
     assert_eq!(
-        rows.iter().filter(|r| r["netns"] == inode).count(),
+        close_wait_of(holder.pid(), None),
+        0,
+        "the leak is not in the host's namespace"
+    );
+    let ns_fd = netns_of_sockets(holder.pid(), inode);
+    assert_eq!(
+        close_wait_of(holder.pid(), Some(&ns_fd)),
         LEAKED,
-        "issue 26: /v1/sockets must show the {LEAKED} CLOSE_WAIT sockets in namespace {inode}: {body:#}"
+        "the leak goes on in namespace {inode}"
     );
 
-    // A fresh `connreap snapshot`, which never saw the namespace's name, finds them too.
-    let snap = snapshot_in_host(&["--state", "CLOSE_WAIT"]);
-    let found: Vec<_> = sockets(&snap)
-        .into_iter()
-        .filter(|r| r.pid == Some(holder.pid()))
-        .collect();
-    assert_eq!(
-        found.len(),
-        LEAKED,
-        "issue 26: `connreap snapshot` must show the {LEAKED} CLOSE_WAIT sockets of pid {} in \
-         the unnamed namespace {inode}: {snap:#}",
-        holder.pid()
+    let mut parts = Parts::new();
+    parts.check("the close_wait_buildup goes on", || {
+        // Over several walks (every 2 s) and the scans between, the leak stays in view.
+        for _ in 0..3 {
+            agent.wait_scans(2);
+            let f = agent.find("close_wait_buildup", mine).unwrap_or_else(|| {
+                panic!(
+                    "issue 26: after `ip netns del`, the close_wait_buildup in namespace {inode} \
+                     (held by pid {}) must go on; findings: {:#?}\n{}",
+                    holder.pid(),
+                    agent.findings(),
+                    agent.ctx()
+                )
+            });
+            assert_eq!(f["count"], LEAKED, "{f:#}");
+        }
+    });
+    parts.check("/v1/sockets shows them", || {
+        let (code, body) = agent.get(&format!(
+            "/v1/sockets?state=CLOSE_WAIT&pid={}",
+            holder.pid()
+        ));
+        assert_eq!(code, 200, "{body}");
+        let rows = body["sockets"].as_array().cloned().unwrap_or_default();
+        assert_eq!(
+            rows.iter().filter(|r| r["netns"] == inode).count(),
+            LEAKED,
+            "issue 26: /v1/sockets must show the {LEAKED} CLOSE_WAIT sockets in namespace \
+             {inode}: {body:#}"
+        );
+    });
+    parts.check("a fresh `connreap snapshot` shows them", || {
+        // It never saw the namespace's name.
+        let snap = snapshot_in_host(&["--state", "CLOSE_WAIT"]);
+        let found: Vec<_> = sockets(&snap)
+            .into_iter()
+            .filter(|r| r.pid == Some(holder.pid()))
+            .collect();
+        assert_eq!(
+            found.len(),
+            LEAKED,
+            "issue 26: `connreap snapshot` must show the {LEAKED} CLOSE_WAIT sockets of pid {} \
+             in the unnamed namespace {inode}: {snap:#}",
+            holder.pid()
+        );
+        for r in &found {
+            assert_eq!(r.netns, Some(inode), "{r:#?}");
+            assert_eq!(r.netns_name, None, "no name any more: {r:#?}");
+            assert_eq!(r.service_port, PORT, "{r:#?}");
+        }
+    });
+    parts.finish();
+}
+
+/// `SIOCGSKNS` (linux/sockios.h): a socket's network namespace, as a new namespace fd.
+const SIOCGSKNS: libc::c_ulong = 0x894C;
+
+/// A namespace fd for `inode`, found through one of `pid`'s sockets: each socket fd of the
+/// process is copied here (`pidfd_getfd`) and asked for its namespace (`SIOCGSKNS`).
+fn netns_of_sockets(pid: u32, inode: u64) -> OwnedFd {
+    // SAFETY: pidfd_open(2) on a pid, no pointers; a negative result is an error.
+    let pidfd = unsafe { libc::syscall(libc::SYS_pidfd_open, pid, 0) };
+    assert!(
+        pidfd >= 0,
+        "pidfd_open({pid}): {}",
+        std::io::Error::last_os_error()
     );
-    for r in &found {
-        assert_eq!(r.netns, Some(inode), "{r:#?}");
-        assert_eq!(r.netns_name, None, "no name any more: {r:#?}");
-        assert_eq!(r.service_port, PORT, "{r:#?}");
+    // SAFETY: a fresh fd that nothing else owns.
+    let pidfd = unsafe { OwnedFd::from_raw_fd(pidfd as i32) };
+    let fds = std::fs::read_dir(format!("/proc/{pid}/fd")).expect("fd directory");
+    for e in fds.flatten() {
+        let is_socket =
+            std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("socket:"));
+        let Some(target) = e.file_name().to_str().and_then(|n| n.parse::<i32>().ok()) else {
+            continue;
+        };
+        if !is_socket {
+            continue;
+        }
+        // SAFETY: pidfd_getfd(2) copies fd `target` of the process into this one.
+        let sock = unsafe { libc::syscall(libc::SYS_pidfd_getfd, pidfd.as_raw_fd(), target, 0) };
+        if sock < 0 {
+            continue;
+        }
+        // SAFETY: a fresh fd that nothing else owns.
+        let sock = unsafe { OwnedFd::from_raw_fd(sock as i32) };
+        // SAFETY: SIOCGSKNS takes no argument and returns a new fd (or -1).
+        let ns = unsafe { libc::ioctl(sock.as_raw_fd(), SIOCGSKNS as _) };
+        if ns < 0 {
+            continue;
+        }
+        // SAFETY: a fresh fd that nothing else owns.
+        let ns = unsafe { OwnedFd::from_raw_fd(ns) };
+        if std::fs::File::from(ns.try_clone().expect("dup"))
+            .metadata()
+            .is_ok_and(|m| m.ino() == inode)
+        {
+            return ns;
+        }
     }
+    panic!("no socket of pid {pid} is in namespace {inode}");
+}
+
+/// CLOSE-WAIT sockets of `pid` that `ss` shows in this process's namespace, or in `ns`.
+fn close_wait_of(pid: u32, ns: Option<&OwnedFd>) -> usize {
+    let mut cmd = Command::new("ss");
+    cmd.args(["-Htanp"]);
+    if let Some(ns) = ns {
+        let fd = ns.as_raw_fd();
+        // SAFETY: setns(2) on an fd that stays open until exec; only the child changes.
+        unsafe {
+            cmd.pre_exec(move || {
+                if libc::setns(fd, libc::CLONE_NEWNET) == 0 {
+                    Ok(())
+                } else {
+                    Err(std::io::Error::last_os_error())
+                }
+            });
+        }
+    }
+    let out = cmd.output().expect("ss");
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter(|l| l.starts_with("CLOSE-WAIT") && l.contains(&format!("pid={pid},")))
+        .count()
 }

@@ -15,18 +15,20 @@
 mod dnat_pair;
 mod ghost;
 mod hidden_netns;
+mod layout;
 mod relay_incident;
 mod storm;
 
-use std::path::PathBuf;
+use std::{path::PathBuf, time::Duration};
 
 use connreap_tests::{
     fixtures::{free_addr, WebhookReceiver},
     harness::{
         addr,
+        alerts::describe,
         containers::cgroup2_root,
         pods::{missing_pod_tools, Pod},
-        require_privileges, Config, Privileged, TempDir,
+        require_privileges, Agent, Config, Privileged, TempDir,
     },
 };
 use serde_json::{json, Value};
@@ -63,6 +65,37 @@ fn host_config(dir: &TempDir, hook: &WebhookReceiver) -> Config {
         .alerts("renotify_interval = \"1s\"")
 }
 
+/// How long a report may take once its cause is in place (thresholds here are 1-3 s, scans
+/// every second): shorter than the harness's `FINDING`, so that a test that fails on one
+/// part still checks the others well within a minute.
+const REPORT_WAIT: Duration = Duration::from_secs(12);
+
+/// The body of the first alert the receiver got that matches `pred`, waiting up to
+/// [`REPORT_WAIT`]; panics saying `what` was expected, with every alert received and the
+/// current findings (kind and summary).
+fn wait_alert(
+    hook: &WebhookReceiver,
+    agent: &Agent,
+    what: &str,
+    pred: impl Fn(&Value) -> bool,
+) -> Value {
+    hook.wait_for_body(REPORT_WAIT, pred)
+        .map(|p| p.body)
+        .unwrap_or_else(|| {
+            let findings: Vec<String> = agent
+                .findings()
+                .iter()
+                .map(|f| format!("  {} {}: {}", f["kind"], f["fingerprint"], f["summary"]))
+                .collect();
+            panic!(
+                "issue 26 expects {what} within {REPORT_WAIT:?}; the receiver got:\n{}\n\
+                 current findings:\n{}",
+                describe(&hook.posts()),
+                findings.join("\n")
+            )
+        })
+}
+
 /// The entry of `f[key]` (`processes`, `upstream`) whose `pid` is `pid`.
 fn entry<'a>(f: &'a Value, key: &str, pid: u32) -> Option<&'a Value> {
     f[key].as_array()?.iter().find(|p| p["pid"] == json!(pid))
@@ -86,7 +119,7 @@ fn assert_in_pod(b: &Value, pod: &Pod, what: &str) {
     assert_container(b, pod, what);
 }
 
-/// [`assert_in_pod`] for the container fields only (an entry that carries no `netns_name`).
+/// The container fields of [`assert_in_pod`].
 fn assert_container(b: &Value, pod: &Pod, what: &str) {
     if !pod.has_container() {
         assert!(
@@ -116,5 +149,65 @@ fn assert_container(b: &Value, pod: &Pod, what: &str) {
             "{what}: {} is not a Kubernetes pod:\n{b:#}",
             pod.describe()
         ),
+    }
+}
+
+/// The parts of a test that are worth checking even when an earlier one failed (what
+/// connreap reports, what it reclaims, what users see): each part's panic is caught and
+/// kept, and [`Parts::finish`] fails the test naming every part that failed, so one run
+/// tells the whole story. The harness's own checks are not parts: they fail at once.
+struct Parts {
+    failed: Vec<String>,
+}
+
+impl Parts {
+    fn new() -> Parts {
+        Parts { failed: Vec::new() }
+    }
+
+    /// Runs `f`; on a panic keeps its message under `part` and returns `None`.
+    fn check<T>(&mut self, part: &str, f: impl FnOnce() -> T) -> Option<T> {
+        match std::panic::catch_unwind(std::panic::AssertUnwindSafe(f)) {
+            Ok(v) => {
+                println!("part ok: {part}");
+                Some(v)
+            }
+            Err(payload) => {
+                let msg = payload
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| payload.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_else(|| "(no message)".to_string());
+                println!("part FAILED: {part}");
+                self.failed.push(format!("[{part}] {msg}"));
+                None
+            }
+        }
+    }
+
+    /// Fails the test if any part failed: each with the first lines of its message (the
+    /// whole message was printed when it failed).
+    fn finish(self) {
+        if self.failed.is_empty() {
+            return;
+        }
+        let short: Vec<String> = self
+            .failed
+            .iter()
+            .map(|m| {
+                let lines: Vec<&str> = m.lines().collect();
+                let head = lines[..lines.len().min(12)].join("\n");
+                if lines.len() > 12 {
+                    format!("{head}\n  ... ({} more lines above)", lines.len() - 12)
+                } else {
+                    head
+                }
+            })
+            .collect();
+        panic!(
+            "{} part(s) failed:\n\n{}",
+            self.failed.len(),
+            short.join("\n\n")
+        );
     }
 }

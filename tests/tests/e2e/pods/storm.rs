@@ -8,13 +8,12 @@
 //! the same name.
 
 use connreap_tests::harness::{
-    alerts::wait_post,
     containers::FakeContainer,
     pods::{Node, Pod},
     snapshot_in_host, sockets, Agent, TempDir, PEER_COMM,
 };
 
-use super::{assert_in_pod, host_config, host_receiver, names_pid, setup};
+use super::{assert_in_pod, host_config, host_receiver, names_pid, setup, wait_alert, Parts};
 
 const PORT: u16 = 7500;
 
@@ -48,34 +47,44 @@ fn reconnect_storm_in_a_pod_is_filed_under_that_pod() {
         "12000",
     ]);
 
-    let b = wait_post(
+    let b = wait_alert(
         &hook,
         &agent,
-        "reconnect_storm naming the storming client",
+        "a reconnect_storm alert naming the storming client",
         |b| b["kind"] == "reconnect_storm" && b["status"] == "firing" && names_pid(b, storm.pid()),
-    )
-    .body;
+    );
     assert_eq!(b["service_port"], PORT, "{b:#}");
     assert!(
         b["rate_per_sec"].as_f64().is_some_and(|r| r >= 50.0),
         "{b:#}"
     );
     // The storm is the pod's: its namespace, its container, its pod (from CRI-O's state).
-    assert_in_pod(&b, &client_pod, "the reconnect_storm alert (issue 26: transition events carry their namespace and container)");
-    let fingerprint = b["fingerprint"].as_str().unwrap_or_default();
-    let want = format!(
-        "reconnect_storm:{PEER_COMM}@pod:e2e/storm-0:{PORT}@netns:{}",
-        client_pod.name()
-    );
-    assert_eq!(
-        fingerprint, want,
-        "identified by its pod and namespace, not as a host process: {b:#}"
-    );
-    // /v1/findings says the same.
-    let f = agent
-        .find("reconnect_storm", |f| names_pid(f, storm.pid()))
-        .unwrap_or_else(|| panic!("/v1/findings lacks the storm: {:#?}", agent.findings()));
-    assert_in_pod(&f, &client_pod, "the reconnect_storm finding");
+    let mut parts = Parts::new();
+    parts.check("the alert is in the pod", || {
+        assert_in_pod(
+            &b,
+            &client_pod,
+            "the reconnect_storm alert (issue 26: transition events carry their namespace and \
+             container)",
+        )
+    });
+    parts.check("the alert is identified by the pod", || {
+        let want = format!(
+            "reconnect_storm:{PEER_COMM}@pod:e2e/storm-0:{PORT}@netns:{}",
+            client_pod.name()
+        );
+        assert_eq!(
+            b["fingerprint"], want,
+            "identified by its pod and namespace, not as a host process: {b:#}"
+        );
+    });
+    parts.check("/v1/findings says the same", || {
+        let f = agent
+            .find("reconnect_storm", |f| names_pid(f, storm.pid()))
+            .unwrap_or_else(|| panic!("/v1/findings lacks the storm: {:#?}", agent.findings()));
+        assert_in_pod(&f, &client_pod, "the reconnect_storm finding");
+    });
+    parts.finish();
 }
 
 /// The layout works and connreap knows the pod already: a connection the client pod holds
