@@ -317,7 +317,7 @@ mod tests {
             comm: "node".into(),
             unit: None,
             count: 1,
-            container: None,
+            ..Default::default()
         });
         let u = t.update(vec![f], at(202), w0);
         assert_eq!(

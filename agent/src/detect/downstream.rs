@@ -15,7 +15,7 @@
 //! is also its other end's (the next hop's accepted socket).
 use std::time::Duration;
 
-use rustc_hash::FxHashMap;
+use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 use super::{ends::Ends, upstream::MATCH_WINDOW};
@@ -66,7 +66,9 @@ struct Relay {
 }
 
 impl Downstreams {
-    pub fn new(table: &[Socket], ends: &Ends) -> Downstreams {
+    /// `known`: processes seen relaying in earlier scans (pids), confirmed relays even when no
+    /// downstream of theirs is connected now.
+    pub fn new(table: &[Socket], ends: &Ends, known: &FxHashSet<u32>) -> Downstreams {
         let mut status = vec![None; table.len()];
         let listeners: rustc_hash::FxHashSet<u32> = table
             .iter()
@@ -91,7 +93,27 @@ impl Downstreams {
         if relays.is_empty() {
             return Downstreams { status };
         }
-        let mut dead = vec![false; table.len()];
+        // Only a process seen relaying is judged: one of its upstreams may serve a connected
+        // downstream now, or did in an earlier scan. Any other process that listens and dials
+        // (a service answering health checks that calls an API) dials for itself: "no
+        // downstream could be its origin" says nothing about it.
+        let no_dead = vec![false; table.len()];
+        for r in relays.values() {
+            classify(table, r, &no_dead, &mut status);
+        }
+        relays.retain(|pid, r| {
+            let relaying = known.contains(pid)
+                || r.ups
+                    .iter()
+                    .any(|&u| matches!(status[u], Some(Orphan::Serving | Orphan::Ambiguous)));
+            if !relaying {
+                for &u in &r.ups {
+                    status[u] = None;
+                }
+            }
+            relaying
+        });
+        let mut dead = no_dead;
         // A chain is a few hops long; each pass settles one more.
         for _ in 0..4 {
             for r in relays.values() {
@@ -122,6 +144,16 @@ impl Downstreams {
             }
         }
         Downstreams { status }
+    }
+
+    /// The processes judged as relays this time (to remember for later scans).
+    pub fn relays(&self, table: &[Socket]) -> FxHashSet<u32> {
+        table
+            .iter()
+            .enumerate()
+            .filter(|(i, s)| s.direction == Direction::Outbound && self.status(*i).is_some())
+            .filter_map(|(_, s)| s.pid())
+            .collect()
     }
 
     /// Row `i`'s status, if it is an upstream of a relaying process or the far end of one.
@@ -284,7 +316,7 @@ mod tests {
 
     fn statuses(t: &[Socket]) -> Vec<(u16, Option<Orphan>)> {
         let ends = Ends::new(t);
-        let d = Downstreams::new(t, &ends);
+        let d = Downstreams::new(t, &ends, &FxHashSet::default());
         t.iter()
             .enumerate()
             .filter(|(_, s)| s.pid() == Some(10) && s.peer.port() == 25001)
@@ -317,7 +349,7 @@ mod tests {
         );
         // The relay's accepted ends carry the same status.
         let ends = Ends::new(&t);
-        let d = Downstreams::new(&t, &ends);
+        let d = Downstreams::new(&t, &ends, &FxHashSet::default());
         let relay: Vec<Option<Orphan>> = t
             .iter()
             .enumerate()
@@ -364,11 +396,51 @@ mod tests {
             st.iter().all(|(_, s)| *s != Some(Orphan::Orphaned)),
             "{st:?}"
         );
-        // With no user connected at all, every upstream is orphaned.
+        // With no user connected at all, the proxy is not known to relay: nothing is said;
+        // once seen relaying (an earlier scan), every upstream is orphaned.
         let t = proxy(&[(100, false), (50, false)]);
-        assert!(statuses(&t)
+        assert!(statuses(&t).iter().all(|(_, s)| s.is_none()));
+        let ends = Ends::new(&t);
+        let known: FxHashSet<u32> = [10].into_iter().collect();
+        let d = Downstreams::new(&t, &ends, &known);
+        let ups: Vec<Option<Orphan>> = t
             .iter()
-            .all(|(_, s)| *s == Some(Orphan::Orphaned)));
+            .enumerate()
+            .filter(|(_, s)| s.pid() == Some(10) && s.peer.port() == 25001)
+            .map(|(i, _)| d.status(i))
+            .collect();
+        assert_eq!(ups, [Some(Orphan::Orphaned); 2]);
+        assert_eq!(d.relays(&t), known);
+    }
+
+    /// A client that also listens (a service answering health checks) dials for itself: its
+    /// connections are not orphans, and the proxy it talks to keeps its downstreams.
+    #[test]
+    fn a_listening_client_is_not_taken_for_a_relay() {
+        let mut t = proxy(&[(100, true), (50, false)]);
+        // Users are pid 1; give them a listener and an old inbound connection.
+        let mut l = s(
+            1,
+            "0.0.0.0:9999",
+            "0.0.0.0:0",
+            Direction::Listen,
+            TcpState::Listen,
+        );
+        l.direction = Direction::Listen;
+        t.push(l);
+        let mut d = s(
+            1,
+            "10.0.0.1:9999",
+            "10.0.0.9:50000",
+            Direction::Inbound,
+            TcpState::Established,
+        );
+        d.age = Duration::from_secs(1000);
+        d.set_last_io(Some(Duration::from_secs(1000)), None);
+        t.push(d);
+        let st = statuses(&t);
+        assert_eq!(st[0].1, Some(Orphan::Serving), "{st:?}");
+        assert_eq!(st[1].1, Some(Orphan::Orphaned), "{st:?}");
     }
 
     #[test]

@@ -127,7 +127,7 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
             human(reap_after)
         ),
         k => format!(
-            "TCP keepalive on{}: if the peer is gone the kernel reaps them within {} ({ka_rule})",
+            "TCP keepalive on{}: reaped by keepalive in ≤ {} if the peer is gone ({ka_rule})",
             if k == n { String::new() } else { format!(" for {k} of {n}") },
             human(reap_in.unwrap_or_default())
         ),
@@ -235,7 +235,7 @@ mod tests {
         // Idle 700 s of Linux's default 7875 s (2h + 9 × 75s).
         assert_eq!(f.keepalive_reap_secs, Some(7175.0));
         assert!(
-            f.summary.contains("; TCP keepalive on: if the peer is gone the kernel reaps them within 1h59m (tcp_keepalive_time 7200s + 9 × 75s);"),
+            f.summary.contains("; TCP keepalive on: reaped by keepalive in ≤ 1h59m if the peer is gone (tcp_keepalive_time 7200s + 9 × 75s);"),
             "{}",
             f.summary
         );
@@ -264,7 +264,7 @@ mod tests {
         assert_eq!(f.keepalive, Some(false));
         assert!(
             f.summary
-                .contains("TCP keepalive on for 63 of 64: if the peer is gone"),
+                .contains("TCP keepalive on for 63 of 64: reaped by keepalive in"),
             "{}",
             f.summary
         );

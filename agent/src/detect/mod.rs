@@ -12,6 +12,8 @@ mod upstream;
 
 use std::collections::BTreeMap;
 
+use rustc_hash::FxHashSet;
+
 use serde::Serialize;
 
 pub use downstream::{Downstreams, Orphan};
@@ -73,7 +75,7 @@ impl Kind {
     ];
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct ProcessCount {
     pub pid: Option<u32>,
     pub comm: String,
@@ -82,6 +84,38 @@ pub struct ProcessCount {
     /// The full id of the container it runs in, if it runs in one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container: Option<String>,
+    /// That container's runtime, and its Kubernetes pod when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_runtime: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    /// The network namespace of its sockets counted here (inode; 0 unknown).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub netns: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+impl ProcessCount {
+    /// The owner of `s`, counting `count` sockets.
+    pub fn of(s: &Socket, count: usize) -> Self {
+        let c = s.container();
+        ProcessCount {
+            pid: s.pid(),
+            comm: s.comm().to_string(),
+            unit: s.unit(),
+            count,
+            container: c.map(|c| c.id.clone()),
+            container_runtime: c.map(|c| c.runtime.as_str()),
+            pod_name: c.and_then(|c| c.pod_name.clone()),
+            pod_namespace: c.and_then(|c| c.pod_namespace.clone()),
+            netns: s.netns.inode,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -304,13 +338,7 @@ pub fn processes<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Process
     let mut by: BTreeMap<Option<u32>, ProcessCount> = BTreeMap::new();
     for s in socks {
         by.entry(s.pid())
-            .or_insert_with(|| ProcessCount {
-                pid: s.pid(),
-                comm: s.comm().to_string(),
-                unit: s.unit(),
-                count: 0,
-                container: s.container_id().map(String::from),
-            })
+            .or_insert_with(|| ProcessCount::of(s, 0))
             .count += 1;
     }
     let mut v: Vec<ProcessCount> = by.into_values().collect();
@@ -357,6 +385,9 @@ pub fn describe_owners(p: &[ProcessCount]) -> String {
 #[derive(Debug, Default)]
 pub struct Memory {
     close_wait_counts: BTreeMap<String, usize>,
+    /// Processes seen relaying (pids): judged as relays while none of their downstreams is
+    /// connected too (see `downstream`).
+    relays: FxHashSet<u32>,
 }
 
 pub struct Input<'a> {
@@ -372,14 +403,21 @@ pub struct Input<'a> {
 /// Each is computed on first use (a quiet host needs neither).
 pub struct Relations<'a> {
     table: &'a [Socket],
+    /// Processes seen relaying in earlier scans (see `downstream`).
+    known_relays: FxHashSet<u32>,
     ends: std::cell::OnceCell<Ends>,
     downstreams: std::cell::OnceCell<Downstreams>,
 }
 
 impl<'a> Relations<'a> {
     pub fn new(table: &'a [Socket]) -> Self {
+        Self::knowing(table, FxHashSet::default())
+    }
+    /// With the processes seen relaying in earlier scans.
+    pub fn knowing(table: &'a [Socket], known_relays: FxHashSet<u32>) -> Self {
         Relations {
             table,
+            known_relays,
             ends: Default::default(),
             downstreams: Default::default(),
         }
@@ -392,7 +430,7 @@ impl<'a> Relations<'a> {
     }
     pub fn downstreams(&self) -> &Downstreams {
         self.downstreams
-            .get_or_init(|| Downstreams::new(self.table, self.ends()))
+            .get_or_init(|| Downstreams::new(self.table, self.ends(), &self.known_relays))
     }
     /// The row of `s`, a socket of this table.
     pub fn row(&self, s: &Socket) -> Option<usize> {
@@ -409,11 +447,17 @@ impl<'a> Relations<'a> {
 
 /// Run every detector.
 pub fn run(input: &Input<'_>, memory: &mut Memory) -> Vec<Finding> {
-    let rel = Relations::new(input.table);
+    // Relays remembered while their pid still holds sockets.
+    let pids: FxHashSet<u32> = input.table.iter().filter_map(Socket::pid).collect();
+    memory.relays.retain(|p| pids.contains(p));
+    let rel = Relations::knowing(input.table, memory.relays.clone());
     let mut out = close_wait::detect(input.table, input.cfg, &mut memory.close_wait_counts);
     out.extend(pairs::detect(&rel, input.cfg));
     out.extend(idle::detect(&rel, input.cfg));
     out.extend(quota::detect(input, &rel));
+    if let Some(d) = rel.downstreams.get() {
+        memory.relays.extend(d.relays(input.table));
+    }
     out.extend(input.storm.findings(input.cfg));
     out.extend(quota::unavailable(input.quotas));
     merge_same_identity(out)

@@ -72,15 +72,10 @@ pub fn detect<'a>(rel: &Relations<'a>, cfg: &DetectConfig) -> Vec<Finding> {
             continue;
         }
         let (c, s) = (pairs[0].client, pairs[0].server);
-        let (cpid, spid) = (c.pid(), s.pid());
-        let owner = |x: &Socket, pid: Option<u32>| ProcessCount {
-            pid,
-            comm: x.comm().to_string(),
-            unit: x.unit(),
-            count: pairs.len(),
-            container: x.container_id().map(String::from),
-        };
-        let procs = vec![owner(c, cpid), owner(s, spid)];
+        let procs = vec![
+            ProcessCount::of(c, pairs.len()),
+            ProcessCount::of(s, pairs.len()),
+        ];
         let oldest = pairs
             .iter()
             .map(|p| p.client.age.min(p.server.age))

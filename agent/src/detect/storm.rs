@@ -185,6 +185,7 @@ impl StormTracker {
                     unit: None,
                     count: rate.round() as usize,
                     container: container.map(|c| c.id.clone()),
+                    ..Default::default()
                 }];
                 f
             })

@@ -147,6 +147,7 @@ fn relay_incident(chain: &PodChain, quota: RelayQuota, side: Side) {
                 b["kind"] == "quota_exhausted_by_leak"
                     && b["status"] == "firing"
                     && b["verdict"] == "leak"
+                    && b["quota"]["used"] == MAX_STREAMS
                     && entry(b, "upstream", chain.proxy_pid()).is_some()
             });
             assert_quota_alert(chain, &b);
