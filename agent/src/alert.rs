@@ -173,6 +173,7 @@ impl Tracker {
     }
 
     /// [`Tracker::update_with`] saying nothing more at resolution than that it cleared.
+    #[cfg(test)]
     pub fn update(&mut self, findings: Vec<Finding>, now: Instant, wall: DateTime<Utc>) -> Update {
         self.update_with(findings, now, wall, &|_| None)
     }
