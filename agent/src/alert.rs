@@ -369,7 +369,10 @@ mod tests {
             "{:?}",
             u.notify
         );
-        assert_eq!(u.current[0].started_at, before[&u.current[0].finding.fingerprint]);
+        assert_eq!(
+            u.current[0].started_at,
+            before[&u.current[0].finding.fingerprint]
+        );
         for i in 1..4 {
             let u = after.update(vec![finding("a", 17)], t0 + Duration::from_secs(i), w1);
             assert!(u.notify.is_empty(), "{:?}", u.notify);
