@@ -8,9 +8,10 @@
 //!
 //! An upstream `u` may serve a downstream `d` (both of one process) when `d` is connected
 //! (ESTABLISHED, not itself the far end of an orphaned upstream), was accepted before `u` was
-//! dialled (by [`TOLERANCE`]) and received data no earlier than [`MATCH_WINDOW`] before that dial
-//! (a request arrives, the relay dials). Ages that are only lower bounds never rule a downstream
-//! out. Statuses follow a chain: the far end of an orphaned upstream is a dead downstream for
+//! dialled (by [`TOLERANCE`]), and `u` was dialled no later than the first dial after `d`'s last
+//! received data (by [`TOLERANCE`], and within [`MATCH_WINDOW`] of it): a request arrives, the
+//! relay dials at once; a dial a second later while `d` sent nothing more was someone else's.
+//! Ages that are only lower bounds never rule a downstream out. Statuses follow a chain: the far end of an orphaned upstream is a dead downstream for
 //! the next relay, so that relay's upstream for it is orphaned too, and each upstream's status
 //! is also its other end's (the next hop's accepted socket).
 use std::time::Duration;
@@ -162,58 +163,77 @@ impl Downstreams {
     }
 }
 
-/// The two oldest downstreams (age, row) of a prefix.
-type Top2 = (Option<(Duration, usize)>, Option<(Duration, usize)>);
-
 /// The statuses of one relay's upstreams given which downstreams are dead.
+///
+/// Each connected downstream `d` may be the origin of the upstreams dialled while it was there
+/// and active: after it was accepted, and no later than the first dial that followed its last
+/// received data (by [`TOLERANCE`]; never more than [`MATCH_WINDOW`] after it). A request is
+/// answered by the dial right after it: an upstream dialled a second later, while `d` sent
+/// nothing more, was made for someone else. In upstream-age space that is an interval per
+/// downstream; an upstream's candidates are the intervals holding its age.
 fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Orphan>]) {
-    // Live downstreams by the time they last received data (most recent first), with how long
-    // they have existed (inexact ages never rule one out).
-    let mut downs: Vec<(Duration, Duration, usize)> = r
-        .downs
+    let live: Vec<usize> = r.downs.iter().copied().filter(|&d| !dead[d]).collect();
+    // Exact upstream ages, ascending (youngest first).
+    let mut ups: Vec<(Duration, usize)> = r
+        .ups
         .iter()
-        .filter(|&&d| !dead[d])
+        .filter(|&&u| table[u].age_exact)
+        .map(|&u| (table[u].age, u))
+        .collect();
+    ups.sort_unstable();
+    let mut ivs: Vec<(Duration, Duration, usize)> = live
+        .iter()
         .map(|&d| {
             let s = &table[d];
             let lr = s.last_recv().unwrap_or(Duration::ZERO);
-            let age = if s.age_exact { s.age } else { Duration::MAX };
-            (lr, age, d)
+            // The first dial at or after its last received data (the oldest such age).
+            let bound = lr.saturating_add(TOLERANCE);
+            let first = ups[..ups.partition_point(|&(a, _)| a <= bound)]
+                .last()
+                .map(|&(a, _)| a);
+            let low = first
+                .map(|a| a.saturating_sub(TOLERANCE))
+                .unwrap_or(Duration::ZERO)
+                .max(lr.saturating_sub(MATCH_WINDOW));
+            let high = if s.age_exact {
+                s.age.saturating_add(TOLERANCE)
+            } else {
+                Duration::MAX
+            };
+            (low, high, d)
         })
         .collect();
-    downs.sort_unstable();
-    // Per prefix: the two oldest downstreams in it.
-    let mut top: Vec<Top2> = Vec::with_capacity(downs.len());
-    let mut best: Top2 = (None, None);
-    for &(_, age, d) in &downs {
-        let c = Some((age, d));
-        if best.0.is_none_or(|b| age > b.0) {
-            best = (c, best.0);
-        } else if best.1.is_none_or(|b| age > b.0) {
-            best.1 = c;
-        }
-        top.push(best);
-    }
+    ivs.sort_unstable();
     let mut unique: Vec<(usize, usize)> = Vec::new();
-    for &u in &r.ups {
-        let s = &table[u];
-        let (latest_recv, earliest_accept) = if s.age_exact {
-            (
-                s.age.saturating_add(MATCH_WINDOW),
-                s.age.saturating_sub(TOLERANCE),
-            )
-        } else {
-            (Duration::MAX, Duration::ZERO)
-        };
-        let p = downs.partition_point(|&(lr, _, _)| lr <= latest_recv);
-        let found = if p == 0 { (None, None) } else { top[p - 1] };
-        let ok = |c: Option<(Duration, usize)>| c.filter(|&(age, _)| age >= earliest_accept);
-        status[u] = Some(match (ok(found.0), ok(found.1)) {
+    let mut active: std::collections::BTreeSet<(Duration, usize)> = Default::default();
+    let mut next = 0;
+    for &(age, u) in &ups {
+        while next < ivs.len() && ivs[next].0 <= age {
+            active.insert((ivs[next].1, ivs[next].2));
+            next += 1;
+        }
+        while active.first().is_some_and(|&(high, _)| high < age) {
+            active.pop_first();
+        }
+        let mut it = active.iter();
+        status[u] = Some(match (it.next(), it.next()) {
             (None, _) => Orphan::Orphaned,
             (Some(_), Some(_)) => Orphan::Ambiguous,
-            (Some((_, d)), None) => {
+            (Some(&(_, d)), None) => {
                 unique.push((u, d));
                 Orphan::Serving
             }
+        });
+    }
+    // An upstream whose age is a lower bound could be any connected downstream's.
+    for &u in r.ups.iter().filter(|&&u| !table[u].age_exact) {
+        status[u] = Some(match live[..] {
+            [] => Orphan::Orphaned,
+            [d] => {
+                unique.push((u, d));
+                Orphan::Serving
+            }
+            _ => Orphan::Ambiguous,
         });
     }
     // A downstream that is the only candidate of two upstreams serves at most one of them.
@@ -357,6 +377,36 @@ mod tests {
             .map(|(i, _)| d.status(i))
             .collect();
         assert_eq!(relay.iter().filter(|s| **s == Some(Orphaned)).count(), 3);
+    }
+
+    /// A user on a live page (its request answered by the dial right after it) and users who
+    /// came a second later and left: their upstreams are not the live user's (it asked for one,
+    /// it got it), whatever the window.
+    #[test]
+    fn a_dial_after_the_one_that_answered_a_request_is_someone_elses() {
+        use Orphan::{Orphaned, Serving as Live};
+        let mut t = proxy(&[(100, true)]);
+        for (i, leaver) in proxy(&[(99, false), (99, false)])
+            .into_iter()
+            .filter(|x| x.state != TcpState::Listen)
+            .enumerate()
+        {
+            let mut x = leaver;
+            x.age -= Duration::from_millis(200);
+            x.local = format!("{}:{}", x.local.ip(), 51000 + i).parse().unwrap();
+            x.peer = if x.direction == Direction::Inbound {
+                format!("{}:{}", x.peer.ip(), 51000 + i).parse().unwrap()
+            } else {
+                x.peer
+            };
+            t.push(x);
+        }
+        let st = statuses(&t);
+        assert_eq!(
+            st.iter().map(|x| x.1).collect::<Vec<_>>(),
+            [Some(Live), Some(Orphaned), Some(Orphaned)],
+            "{st:?}"
+        );
     }
 
     #[test]
