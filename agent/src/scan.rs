@@ -51,6 +51,8 @@ pub struct NamespaceReport {
     /// Namespaces that could not be entered or dumped, and why: their sockets are missing
     /// from the table (so none of them can be selected for a kill either).
     pub failed: Vec<(u32, String)>,
+    /// Every namespace the scan found, as its rows name them.
+    pub known: Vec<Arc<Netns>>,
 }
 
 pub struct Scanner {
@@ -229,6 +231,7 @@ impl Scanner {
                 .iter()
                 .map(|(i, e)| (*i, format!("{e:#}")))
                 .collect(),
+            known: spaces.iter().map(netns_row).collect(),
         };
         self.namespaces = spaces;
         let sockets = all.dump;

@@ -14,6 +14,7 @@ mod disappears;
 mod relay_chain;
 mod scoped_policy;
 mod sockets_api;
+mod storm_in_pod;
 mod three_containers;
 
 use std::{
