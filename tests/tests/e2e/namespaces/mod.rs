@@ -11,6 +11,7 @@
 mod between_walks;
 mod bpf_fallback;
 mod disappears;
+mod hidden;
 mod relay_chain;
 mod scoped_policy;
 mod sockets_api;
