@@ -467,7 +467,7 @@ mod tests {
         let unnamed = ConnKey { netns: 77, ..key() };
         for n in [60, 80, 120] {
             t.record_connects(unnamed.clone(), "client", n);
-            t.set_namespaces(&[host.clone()]);
+            t.set_namespaces(std::slice::from_ref(&host));
             t.close_window(Duration::from_secs(1), &cfg, &[]);
         }
         let f = t.findings(&cfg);
