@@ -254,7 +254,9 @@ pub struct TransitionEvent {
     /// owns the socket); 0 with an empty `comm` for the others, which mostly run in softirq
     /// context where the current task is unrelated.
     pub pid: u32,
-    pub _pad: u32,
+    /// The inode of the socket's network namespace (`net.ns.inum`, what `/proc/<pid>/ns/net`
+    /// names), for every transition; 0 when it could not be read.
+    pub netns: u32,
     pub comm: [u8; 16],
 }
 

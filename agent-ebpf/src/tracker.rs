@@ -83,6 +83,7 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     };
     let t = Transition {
         now: now(),
+        sk,
         skaddr: sk as u64,
         saddr,
         daddr,
@@ -146,6 +147,8 @@ fn track(t: &Transition, batch: *mut EventBatch) {
 /// What the tracker read about one transition.
 struct Transition {
     now: u64,
+    /// The socket (the tracepoint's trusted pointer), for what only events carry.
+    sk: *const u8,
     skaddr: u64,
     saddr: [u64; 2],
     daddr: [u64; 2],
@@ -212,7 +215,7 @@ unsafe fn fill(ev: *mut TransitionEvent, t: &Transition) {
         (*ev).dport = t.dport;
         (*ev).oldstate = t.oldstate;
         (*ev).newstate = t.newstate;
-        (*ev)._pad = 0;
+        (*ev).netns = netns_of(t.sk);
         // The task on the CPU is the socket's user only for transitions out of CLOSE (connect,
         // listen): the others mostly run in softirq context, so they skip the helper calls.
         if t.oldstate == tcp_state::CLOSE {
@@ -226,6 +229,20 @@ unsafe fn fill(ev: *mut TransitionEvent, t: &Transition) {
             put16(&mut (*ev).comm, [0, 0]);
         }
     }
+}
+
+/// The inode of the socket's network namespace, `sk->__sk_common.skc_net.net->ns.inum`: read
+/// only for an event (the state table does not need it). Two direct loads, both checked by the
+/// verifier against the running kernel's types like the fields above: `skc_net` lies on the
+/// cache line of the addresses and ports already read, and the namespace's `struct net` is
+/// shared by all its sockets; 0 when the socket has no namespace pointer.
+#[inline(always)]
+fn netns_of(sk: *const u8) -> u32 {
+    let net: *const u8 = sk_field(sk, off!(skc_net));
+    if net.is_null() {
+        return 0;
+    }
+    sk_field(net, off!(net_ns_inum))
 }
 
 /// Ask for a wakeup only when a lot is pending: the daemon also drains on a timer.

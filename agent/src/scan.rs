@@ -1,6 +1,8 @@
 //! One scan: run the iterators and merge them into the socket table. The kernel and /proc are
 //! reached only through `kernel` (the dumps, `kernel::procfs`); this module only drives them.
-//! Which namespaces a scan walks whole, and what it carries between walks, is in `walk`.
+//! Which namespaces a scan walks whole, and what it carries between walks, is in `walk`; the
+//! namespaces only held sockets keep alive, in `hidden`.
+mod hidden;
 mod walk;
 
 use std::{
@@ -13,11 +15,12 @@ use crate::{
     containers::{self, PodNames},
     kernel::{
         self,
-        netns::{self, Namespace},
+        netns::{self, FindError, Namespace},
         procfs, Kernel, KernelError, NsEvent, Owned,
     },
     table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
+use hidden::{Hidden, Look};
 use rustc_hash::{FxHashMap, FxHashSet};
 pub use walk::every as walk_every;
 use walk::{Walked, Walks};
@@ -51,6 +54,8 @@ pub struct NamespaceReport {
     /// Namespaces that could not be entered or dumped, and why: their sockets are missing
     /// from the table (so none of them can be selected for a kill either).
     pub failed: Vec<(u32, String)>,
+    /// Every namespace the scan found, as its rows name them.
+    pub known: Vec<Arc<Netns>>,
 }
 
 pub struct Scanner {
@@ -69,6 +74,8 @@ pub struct Scanner {
     last_len: usize,
     /// Which namespaces each scan walks (every one on every scan unless set otherwise).
     walks: Walks,
+    /// Namespaces known only through sockets processes hold in them.
+    hidden: Hidden,
 }
 
 impl Scanner {
@@ -90,6 +97,7 @@ impl Scanner {
             pods: PodNames::new("/"),
             last_len: 0,
             walks: Walks::new(1),
+            hidden: Hidden::default(),
         }
     }
 
@@ -102,7 +110,9 @@ impl Scanner {
     /// Dump only the namespaces `wanted` names (a name, an inode, "host"), not every one: a
     /// one-shot snapshot of one namespace costs what it did when connreap saw only its own (each
     /// namespace's dump walks the kernel's host-wide TCP table). A name that matches nothing
-    /// fails the scan, naming it.
+    /// fails the scan, naming it; an inode discovery does not find is looked for among the
+    /// sockets processes hold (a namespace with no process and no name), at the cost of one
+    /// pass over every process's files.
     pub fn only(&mut self, wanted: Vec<String>) {
         self.only = wanted;
     }
@@ -133,18 +143,26 @@ impl Scanner {
         self.walks.scans += 1;
         let mut holders = Holders::default();
         // Every namespace (or those asked for), rediscovered on each scan: pods come and go.
-        let spaces = if self.only.is_empty() {
+        let every = self.only.is_empty();
+        let mut spaces = if every {
             netns::discover().map_err(KernelError::Netns)?
         } else {
             let mut spaces: Vec<Namespace> = Vec::new();
             for wanted in &self.only {
-                let ns = netns::find(wanted).map_err(KernelError::FindNetns)?;
+                let ns = find(&mut self.kernel, wanted)?;
                 if !spaces.iter().any(|n| n.inode == ns.inode) {
                     spaces.push(ns);
                 }
             }
             spaces
         };
+        // And those only held sockets keep alive, found by earlier scans (see `hidden`).
+        let mut look = None;
+        if every {
+            self.hidden.add_to(&mut spaces, usable);
+            let known = spaces.iter().map(|n| n.inode).collect();
+            look = Some(Look::new(known, Look::vanished(&self.namespaces, &spaces)));
+        }
         let discovered = start.elapsed();
         // This scan walks its own namespace, the namespaces never walked or whose turn it is;
         // the others ("between walks") come from the one dump of held sockets below.
@@ -183,10 +201,39 @@ impl Scanner {
                 b.push(&r)
             }
         };
+        // A scan looks for hidden namespaces when its owner dump reads other namespaces'
+        // sockets anyway, when one of the last scan's was not discovered, and once per walk
+        // period; a snapshot always (it has no last scan).
+        if let Some(l) = &look {
+            if !parallel && between.is_empty() && l.no_vanished() && !self.walks.look_due() {
+                look = None;
+            }
+        }
         let (mut all, owners, elsewhere) = if parallel {
-            let (sockets, owners) = self
-                .kernel
-                .for_each_both(&to_walk, on_socket, |o| holders.push(&o))?;
+            let mut on_socket = on_socket;
+            let (mut sockets, owners) = self.kernel.for_each_both(
+                &to_walk,
+                &mut on_socket,
+                look.is_some(),
+                |o| match o {
+                    Owned::Owner(o) => holders.push(&o),
+                    Owned::Elsewhere(p) => {
+                        holders.push(&p.owner);
+                        if let Some(l) = look.as_mut() {
+                            l.see(p.owner.netns, p.owner.tgid, p.owner.fd);
+                        }
+                    }
+                },
+            )?;
+            // What it found is walked now, like every namespace a snapshot shows.
+            let found = look
+                .take()
+                .map(|l| l.namespaces(usable))
+                .unwrap_or_default();
+            if !found.is_empty() {
+                sockets.absorb(self.kernel.for_each_socket(&found, &mut on_socket)?);
+                spaces.extend(found);
+            }
             (sockets, owners, None)
         } else {
             let sockets = self.kernel.for_each_socket(&to_walk, on_socket)?;
@@ -194,6 +241,7 @@ impl Scanner {
                 &mut self.kernel,
                 &self.walks,
                 &between,
+                look.as_mut(),
                 &mut b,
                 &mut holders,
                 start_ns,
@@ -201,13 +249,25 @@ impl Scanner {
             )?;
             (sockets, owners, elsewhere)
         };
+        let mut kept = 0;
+        if let Some(look) = look {
+            // The namespaces that vanished from discovery but not from the owner dump are in
+            // this scan's table: keep them among its namespaces (for acting in them).
+            for ns in look.kept() {
+                if !spaces.iter().any(|n| n.inode == ns.inode) {
+                    spaces.push(ns);
+                    kept += 1;
+                }
+            }
+            self.hidden.remember(look.found);
+        }
         self.walks.observe_walks(all.others, all.others_in_kernel);
         match elsewhere {
             None => self.walks.observe_owner(owners.in_kernel),
             Some(_) => self.walks.observe_owner_and_elsewhere(owners.in_kernel),
         }
         let walked_count = all.namespaces;
-        all.namespaces += between.len();
+        all.namespaces += between.len() + kept;
         for (inode, w) in walked {
             if let Some(w) = w {
                 self.walks.record(inode, w);
@@ -231,7 +291,9 @@ impl Scanner {
                 .iter()
                 .map(|(i, e)| (*i, format!("{e:#}")))
                 .collect(),
+            known: spaces.iter().map(|ns| netns_row(ns, None)).collect(),
         };
+        log_hidden(&self.namespaces, &spaces);
         self.namespaces = spaces;
         let sockets = all.dump;
         let dumps_done = Instant::now();
@@ -284,22 +346,26 @@ impl Scanner {
 /// The owner dump, and with it, when there are namespaces `between` their walks, their rows:
 /// the sockets processes hold outside connreap's namespace, read in the same pass over every
 /// process's files (each socket once; a socket shared by several descriptors comes once per
-/// descriptor), plus what each one's last walk carries (see `walk::carried`). Returns the dump
+/// descriptor), plus what each one's last walk carries (see `walk::carried`). With `look`, the
+/// same pass notes the holders of sockets of namespaces discovery did not find, and the
+/// sockets of those that vanished from it since the last scan become rows. Returns the dump
 /// and how many sockets it read in those namespaces (None: the plain owner dump, no namespace
-/// between walks).
+/// between walks, no look).
+#[allow(clippy::too_many_arguments)]
 fn owners_and_between(
     kernel: &mut Kernel,
     walks: &Walks,
     between: &[Namespace],
+    mut look: Option<&mut Look>,
     b: &mut TableBuilder<'_>,
     holders: &mut Holders,
     now_ns: u64,
     hz: u32,
 ) -> Result<(kernel::Dump, Option<usize>), KernelError> {
-    if between.is_empty() {
+    if between.is_empty() && look.is_none() {
         return Ok((kernel.for_each_owner(|o| holders.push(&o))?, None));
     }
-    let parts: FxHashMap<u32, usize> = between
+    let mut parts: FxHashMap<u32, usize> = between
         .iter()
         .map(|ns| {
             let last = walks.last(ns.inode);
@@ -316,11 +382,25 @@ fn owners_and_between(
         Owned::Owner(o) => holders.push(&o),
         Owned::Elsewhere(p) => {
             holders.push(&p.owner);
-            // Namespaces walked by this scan, and any not discovered, are not added here.
-            if let Some(&part) = parts.get(&p.owner.netns) {
-                if held.insert(p.sock.skaddr) {
-                    b.push_in(part, &p.sock);
+            // Namespaces walked by this scan are not added here; one not discovered only when
+            // the last scan had it.
+            let inode = p.owner.netns;
+            let part = match parts.get(&inode) {
+                Some(&part) => part,
+                None => {
+                    let kept = look
+                        .as_mut()
+                        .is_some_and(|l| l.see(inode, p.owner.tgid, p.owner.fd));
+                    if !kept {
+                        return;
+                    }
+                    let part = b.begin_namespace(hidden_row(inode), None);
+                    parts.insert(inode, part);
+                    part
                 }
+            };
+            if held.insert(p.sock.skaddr) {
+                b.push_in(part, &p.sock);
             }
         }
     })?;
@@ -332,6 +412,62 @@ fn owners_and_between(
         }
     }
     Ok((dump, Some(held.len())))
+}
+
+/// Say once which namespaces this scan (`now`) knows only through a socket a process holds,
+/// that the last one (`last`) did not know that way.
+fn log_hidden(last: &[Namespace], now: &[Namespace]) {
+    for ns in now {
+        let Some((pid, fd)) = ns.holder() else {
+            continue;
+        };
+        if !last
+            .iter()
+            .any(|n| n.inode == ns.inode && n.holder().is_some())
+        {
+            tracing::info!(
+                netns = ns.inode,
+                pid,
+                fd,
+                "network namespace with no process in it and no name, alive through sockets processes hold: scanned through the socket at fd {fd} of pid {pid}"
+            );
+        }
+    }
+}
+
+/// Whether a namespace can be entered through its holder (one that cannot for another reason
+/// than its holder having let go is kept: its walk reports why).
+fn usable(ns: &Namespace) -> bool {
+    !matches!(ns.check(), Err(e) if e.is_gone())
+}
+
+/// The namespace `wanted` names (see [`Scanner::only`]).
+fn find(kernel: &mut Kernel, wanted: &str) -> Result<Namespace, KernelError> {
+    let inode = match (netns::find(wanted), wanted.parse::<u32>()) {
+        (Err(FindError::NoNetns(_)), Ok(inode)) => inode,
+        (found, _) => return found.map_err(KernelError::FindNetns),
+    };
+    let mut look = Look::new(FxHashSet::default(), FxHashSet::default());
+    kernel.for_each_owner_and_elsewhere(|o| {
+        if let Owned::Elsewhere(p) = o {
+            if p.owner.netns == inode {
+                look.see(inode, p.owner.tgid, p.owner.fd);
+            }
+        }
+    })?;
+    look.namespaces(usable)
+        .pop()
+        .ok_or_else(|| KernelError::FindNetns(FindError::NoNetns(wanted.to_string())))
+}
+
+/// A namespace with no name, known through the sockets held in it.
+fn hidden_row(inode: u32) -> Arc<Netns> {
+    Arc::new(Netns {
+        inode,
+        name: None,
+        own: false,
+        keepalive: None,
+    })
 }
 
 /// A namespace as the table's rows name it.

@@ -17,7 +17,7 @@ use crate::{
     metrics::Metrics,
     poller::QuotaFeeds,
     quota::{self, QuotaStatus},
-    table::Socket,
+    table::{Netns, Socket},
     webhook::Webhooks,
 };
 
@@ -148,6 +148,7 @@ impl ScanLoop {
             &mut carry.storm,
             t0.duration_since(carry.window_start),
             &table,
+            &namespaces.known,
         );
         carry.window_start = t0;
         let findings = detect::run(
@@ -210,19 +211,29 @@ impl ScanLoop {
         true
     }
 
-    /// Active opens since the last scan into the storm tracker, and close its window (`table`
-    /// places the connecting processes in their namespaces).
-    fn feed_storm(&mut self, storm: &mut StormTracker, window: Duration, table: &[Socket]) {
+    /// Active opens since the last scan into the storm tracker, and close its window (the
+    /// scan's namespaces name the events' ones; `table` places the connecting processes whose
+    /// events did not say where they are).
+    fn feed_storm(
+        &mut self,
+        storm: &mut StormTracker,
+        window: Duration,
+        table: &[Socket],
+        namespaces: &[Arc<Netns>],
+    ) {
         while let Ok(opens) = self.opens.try_recv() {
             for (k, n) in opens {
+                storm.record_container(k.pid, k.container);
                 let key = ConnKey {
                     pid: k.pid,
                     comm: k.comm,
                     port: k.port,
+                    netns: k.netns,
                 };
                 storm.record_connects(key, &k.thread, n);
             }
         }
+        storm.set_namespaces(namespaces);
         storm.close_window(window, &self.cfg.detect, table);
     }
 

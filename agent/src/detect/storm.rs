@@ -3,9 +3,12 @@
 //! named as `snapshot` names it (its thread-group leader's comm); the connecting threads'
 //! names, where they differ, are a detail of the summary.
 //!
-//! Transition events carry no network namespace; pids are unique host-wide, so a process's
-//! namespace and container are those of its sockets in the scan's table (its sockets to the
-//! storm's port, else any of its sockets), looked up once per process.
+//! Transition events carry the connecting socket's network namespace (its inode, named as the
+//! scan names it) and the process's container as read from /proc/PID/cgroup when the events
+//! were drained: a storm of short-lived connections, none of which a scan ever sees, is placed
+//! where it happens. Where an event carries no namespace (inode 0) or no container was read
+//! (the process had gone), the process's sockets in the scan's table stand in (its sockets to
+//! the storm's port, else any of its sockets), looked up once per process.
 use std::{
     collections::{BTreeMap, BTreeSet, VecDeque},
     sync::Arc,
@@ -27,6 +30,8 @@ pub struct ConnKey {
     /// The process's name.
     pub comm: String,
     pub port: u16,
+    /// The inode of the connecting sockets' network namespace (0: not known).
+    pub netns: u32,
 }
 
 /// At most this many thread names are kept per key.
@@ -45,6 +50,11 @@ pub struct StormTracker {
     /// connreap's own namespace as the last table named it: the place of a process none of
     /// whose sockets was ever seen.
     own: Option<Arc<Netns>>,
+    /// Each tracked process's container as read when its events were drained.
+    containers: BTreeMap<u32, Arc<Container>>,
+    /// The namespaces of the last scan by inode, and those of tracked keys seen before (a
+    /// namespace gone since keeps the name it had while its storm is tracked).
+    namespaces: FxHashMap<u32, Arc<Netns>>,
 }
 
 /// A process's network namespace and container.
@@ -71,6 +81,28 @@ impl StormTracker {
             }
         }
         *self.current.entry(key).or_default() += n;
+    }
+
+    /// Process `pid` runs in `container` (None: in none, or gone), as read with its events.
+    pub fn record_container(&mut self, pid: u32, container: Option<Arc<Container>>) {
+        match container {
+            Some(c) => self.containers.insert(pid, c),
+            None => self.containers.remove(&pid),
+        };
+    }
+
+    /// The namespaces the scan at the window's end found, to name those of the keys.
+    pub fn set_namespaces(&mut self, spaces: &[Arc<Netns>]) {
+        let used: BTreeSet<u32> = self
+            .current
+            .keys()
+            .chain(self.history.keys())
+            .map(|k| k.netns)
+            .collect();
+        self.namespaces.retain(|inode, _| used.contains(inode));
+        for ns in spaces {
+            self.namespaces.insert(ns.inode, ns.clone());
+        }
     }
 
     /// End the current window of length `window`; update rates and firing state, and place
@@ -103,6 +135,7 @@ impl StormTracker {
         // Forget processes no longer tracked (their pids may be reused).
         let tracked: BTreeSet<u32> = self.history.keys().map(|k| k.pid).collect();
         self.places.retain(|pid, _| tracked.contains(pid));
+        self.containers.retain(|pid, _| tracked.contains(pid));
     }
 
     /// Place the tracked processes not placed yet: one pass over `table`, only when there are
@@ -142,12 +175,32 @@ impl StormTracker {
         }
     }
 
-    /// Where `pid` lives: where its sockets were, else connreap's own namespace.
-    fn place_of(&self, pid: u32) -> Place {
-        self.places.get(&pid).cloned().unwrap_or_else(|| Place {
+    /// Where `key`'s connections are made: the namespace its events name and the container its
+    /// process was read in; else where its process's sockets were, else connreap's own
+    /// namespace.
+    fn place_of(&self, key: &ConnKey) -> Place {
+        let by_table = self.places.get(&key.pid).cloned().unwrap_or_else(|| Place {
             netns: self.own.clone().unwrap_or_else(Netns::unknown),
             container: None,
-        })
+        });
+        let netns = match key.netns {
+            0 => by_table.netns,
+            inode => self.namespaces.get(&inode).cloned().unwrap_or_else(|| {
+                // Not among the scan's namespaces (gone since): named by its inode.
+                Arc::new(Netns {
+                    inode,
+                    name: None,
+                    own: false,
+                    keepalive: None,
+                })
+            }),
+        };
+        let container = self
+            .containers
+            .get(&key.pid)
+            .cloned()
+            .or(by_table.container);
+        Place { netns, container }
     }
 
     pub fn findings(&self, cfg: &DetectConfig) -> Vec<Finding> {
@@ -165,7 +218,7 @@ impl StormTracker {
                     ),
                     _ => String::new(),
                 };
-                let place = self.place_of(key.pid);
+                let place = self.place_of(key);
                 let container = place.container.as_deref();
                 let mut f = Finding::new(
                     Kind::ReconnectStorm,
@@ -202,6 +255,7 @@ mod tests {
             pid: 5,
             comm: "client".into(),
             port: 443,
+            netns: 0,
         }
     }
 
@@ -338,6 +392,90 @@ mod tests {
         let f = t.findings(&cfg);
         assert_eq!(f[0].fingerprint, "reconnect_storm:client:443");
         assert_eq!(f[0].netns_label(), "host");
+    }
+
+    /// Events name the namespace and the container: a storm of connections no scan ever saw
+    /// is placed in its pod, apart from a host process of the same name and port; a namespace
+    /// gone since keeps the name the scans knew it by.
+    #[test]
+    fn storms_are_placed_where_their_events_say() {
+        use crate::{
+            containers::Runtime,
+            detect::scope_testutil::{container, netns},
+        };
+        let cfg = DetectConfig::default();
+        let host = Arc::new(Netns {
+            inode: 40,
+            name: None,
+            own: true,
+            keepalive: None,
+        });
+        let pod = netns(41, Some("cni-x"));
+        let c = Arc::new(container(
+            "c0c0",
+            Runtime::Containerd,
+            Some(("shop", "client-1")),
+        ));
+        let in_pod = ConnKey { netns: 41, ..key() };
+        let on_host = ConnKey {
+            pid: 6,
+            netns: 40,
+            ..key()
+        };
+        let mut t = StormTracker::default();
+        for n in [60, 80, 120] {
+            t.record_container(5, Some(c.clone()));
+            t.record_connects(in_pod.clone(), "client", n);
+            t.record_container(6, None);
+            t.record_connects(on_host.clone(), "client", n);
+            // The pod's namespace is seen at the first scan only (say its last process left
+            // it after): the name sticks while the storm is tracked.
+            let spaces = if n == 60 {
+                vec![host.clone(), pod.clone()]
+            } else {
+                vec![host.clone()]
+            };
+            t.set_namespaces(&spaces);
+            // No socket of either process is in the table: short-lived connections.
+            t.close_window(Duration::from_secs(1), &cfg, &[]);
+        }
+        let f = t.findings(&cfg);
+        let prints: Vec<&str> = f.iter().map(|f| f.fingerprint.as_str()).collect();
+        assert_eq!(
+            prints,
+            [
+                "reconnect_storm:client@pod:shop/client-1:443@netns:cni-x",
+                "reconnect_storm:client:443",
+            ]
+        );
+        assert_eq!(
+            (f[0].netns, f[0].netns_name.as_deref()),
+            (41, Some("cni-x"))
+        );
+        assert_eq!(
+            f[0].container.as_ref().map(|c| c.id.as_str()),
+            Some(c.id.as_str())
+        );
+        assert_eq!(f[0].processes[0].container.as_deref(), Some(c.id.as_str()));
+        assert!(
+            f[0].summary
+                .ends_with("; in netns cni-x, pod shop/client-1 (containerd c0c000000000)"),
+            "{}",
+            f[0].summary
+        );
+        assert_eq!((f[1].netns, f[1].netns_label().as_str()), (40, "host"));
+        assert_eq!(f[1].container, None);
+        // A namespace no scan named: its inode.
+        let mut t = StormTracker::default();
+        let unnamed = ConnKey { netns: 77, ..key() };
+        for n in [60, 80, 120] {
+            t.record_connects(unnamed.clone(), "client", n);
+            t.set_namespaces(std::slice::from_ref(&host));
+            t.close_window(Duration::from_secs(1), &cfg, &[]);
+        }
+        let f = t.findings(&cfg);
+        assert_eq!(f[0].fingerprint, "reconnect_storm:client:443@netns:77");
+        assert_eq!((f[0].netns, f[0].netns_own), (77, false));
     }
 
     #[test]

@@ -163,6 +163,20 @@ impl Maps {
     }
 }
 
+impl SocketDump {
+    /// Count `more`, a dump of other namespaces, in this one.
+    pub fn absorb(&mut self, mut more: SocketDump) {
+        self.dump.records += more.dump.records;
+        self.dump.in_kernel += more.dump.in_kernel;
+        self.dump.total += more.dump.total;
+        self.namespaces += more.namespaces;
+        self.others += more.others;
+        self.others_in_kernel += more.others_in_kernel;
+        self.gone += more.gone;
+        self.failed.append(&mut more.failed);
+    }
+}
+
 impl Kernel {
     /// Load the object, (re)use the pinned state tracker and load the iterators.
     pub fn load(verbose: bool) -> Result<Self, KernelError> {
@@ -430,17 +444,30 @@ impl Kernel {
     /// Both dumps at once, the owner dump on a second thread: a one-shot snapshot's wall time
     /// is the longer dump instead of their sum. A socket created while they run may show no
     /// owner (the owner dump may pass its process first); the daemon dumps one after the
-    /// other, so a socket it sees has had the time to get its owner.
+    /// other, so a socket it sees has had the time to get its owner. With `elsewhere`, the
+    /// owner dump is [`Kernel::for_each_owner_and_elsewhere`]'s.
     pub fn for_each_both(
         &mut self,
         spaces: &[netns::Namespace],
         on_socket: impl FnMut(NsEvent<'_>) + Send,
-        on_owner: impl FnMut(OwnerRecord) + Send,
+        elsewhere: bool,
+        mut on_owner: impl FnMut(Owned) + Send,
     ) -> Result<(SocketDump, Dump), KernelError> {
-        let (iter_tcp, iter_files) = (&mut self.iter_tcp, &mut self.iter_files);
+        let (iter_tcp, iter_files, iter_netns_socks) = (
+            &mut self.iter_tcp,
+            &mut self.iter_files,
+            &mut self.iter_netns_socks,
+        );
         std::thread::scope(|scope| {
-            let owners =
-                scope.spawn(move || Self::run_iter(iter_files, "iter/task_file", on_owner));
+            let owners = scope.spawn(move || {
+                if elsewhere {
+                    dump::owned(iter_netns_socks, on_owner).map_err(KernelError::iterate(
+                        "iter/task_file (owners, other namespaces)",
+                    ))
+                } else {
+                    Self::run_iter(iter_files, "iter/task_file", |o| on_owner(Owned::Owner(o)))
+                }
+            });
             let sockets = Self::sockets_in(iter_tcp, spaces, on_socket);
             let owners = owners.join().unwrap_or_else(|_| {
                 Err(KernelError::iterate("iter/task_file")(IterError::Panicked))

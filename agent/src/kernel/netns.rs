@@ -4,12 +4,15 @@
 //! `/run/netns` (`ip netns add`) or `/run/docker/netns` (Docker's sandboxes); namespaces are
 //! identified by the inode of their nsfs file and deduplicated by it. Discovery runs on every
 //! scan (pods come and go) and holds nothing open between scans, so connreap never keeps a
-//! dead namespace alive.
+//! dead namespace alive. A namespace with neither, alive only through sockets processes hold
+//! in it, is entered through one of those sockets (see `held`; the scan finds them).
 //!
 //! Entering one is `setns(2)` on a thread of our own, never on a thread that does anything
 //! else: a socket (netlink, TCP, a BPF iterator) is bound to the namespace of the thread that
 //! creates it, and a thread left in the wrong namespace would act on the wrong sockets. The
 //! threads entering namespaces end with the work they did there, so there is nothing to restore.
+mod held;
+
 use std::{
     fs,
     os::{
@@ -18,6 +21,8 @@ use std::{
     },
     path::PathBuf,
 };
+
+pub use held::HeldError;
 
 /// Directories where namespaces get names: `ip netns` (`/var/run` is normally a link to `/run`,
 /// so both are read and the duplicates dropped by inode) and Docker.
@@ -35,8 +40,18 @@ pub struct Namespace {
     pub name: Option<String>,
     /// connreap's own namespace.
     pub own: bool,
+    /// How to open it.
+    source: Source,
+}
+
+/// Where a namespace is opened from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Source {
     /// A file that refers to it: a bind mount, or `/proc/<pid>/ns/net` of a process in it.
-    path: PathBuf,
+    Path(PathBuf),
+    /// A socket of it that process `pid` holds at `fd` (no process lives in it, it has no
+    /// name: see `held`).
+    Held { pid: u32, fd: u32 },
 }
 
 /// Why a namespace could not be entered.
@@ -63,6 +78,12 @@ pub enum NetnsError {
     Own(#[source] std::io::Error),
     #[error("the thread working in network namespace {inode} panicked")]
     Panicked { inode: u32 },
+    #[error("cannot open network namespace {inode} through a socket a process holds in it")]
+    Held {
+        inode: u32,
+        #[source]
+        source: HeldError,
+    },
 }
 
 impl NetnsError {
@@ -86,7 +107,7 @@ pub fn discover() -> Result<Vec<Namespace>, NetnsError> {
         inode: own,
         name: None,
         own: true,
-        path: PathBuf::from("/proc/thread-self/ns/net"),
+        source: Source::Path(PathBuf::from("/proc/thread-self/ns/net")),
     }];
     for dir in NAMED_DIRS {
         let Ok(entries) = fs::read_dir(dir) else {
@@ -174,7 +195,7 @@ fn add(found: &mut Vec<Namespace>, inode: u32, name: Option<String>, path: PathB
             inode,
             name,
             own: false,
-            path,
+            source: Source::Path(path),
         }),
     }
 }
@@ -206,7 +227,7 @@ pub fn find(wanted: &str) -> Result<Namespace, FindError> {
                     inode,
                     name: Some(wanted.to_string()),
                     own: inode == current_inode()?,
-                    path,
+                    source: Source::Path(path),
                 });
             }
         }
@@ -218,7 +239,7 @@ pub fn find(wanted: &str) -> Result<Namespace, FindError> {
             inode: current_inode()?,
             name: None,
             own: true,
-            path: PathBuf::from("/proc/thread-self/ns/net"),
+            source: Source::Path(PathBuf::from("/proc/thread-self/ns/net")),
         }]
     } else {
         discover()?
@@ -262,7 +283,7 @@ pub fn of_container(prefix: &str, hint: Option<u32>) -> Result<(Namespace, u32),
         inode,
         name: None,
         own: inode == current_inode()?,
-        path,
+        source: Source::Path(path),
     };
     Ok((ns, pid))
 }
@@ -317,33 +338,49 @@ impl Namespace {
             inode,
             name: None,
             own: inode == own,
-            path: path.to_path_buf(),
+            source: Source::Path(path.to_path_buf()),
         })
     }
 
-    /// Open the namespace's file and check it still refers to this namespace.
+    /// Open the namespace and check the fd refers to this namespace (a reused pid's, a
+    /// reused descriptor's would not).
     fn open(&self) -> Result<OwnedFd, NetnsError> {
-        let file = match fs::File::open(&self.path) {
-            Ok(f) => f,
+        let file = match &self.source {
+            Source::Path(path) => self.open_path(path)?,
+            Source::Held { pid, fd } => match held::open(*pid, *fd) {
+                Ok(fd) => fs::File::from(fd),
+                Err(e) if e.is_gone() => return Err(NetnsError::Gone { inode: self.inode }),
+                Err(source) => {
+                    return Err(NetnsError::Held {
+                        inode: self.inode,
+                        source,
+                    })
+                }
+            },
+        };
+        match file.metadata() {
+            Ok(m) if m.ino() as u32 == self.inode => Ok(file.into()),
+            _ => Err(NetnsError::Gone { inode: self.inode }),
+        }
+    }
+
+    /// Open the namespace's file.
+    fn open_path(&self, path: &std::path::Path) -> Result<fs::File, NetnsError> {
+        match fs::File::open(path) {
+            Ok(f) => Ok(f),
             Err(e)
                 if matches!(
                     e.raw_os_error(),
                     Some(libc::ENOENT) | Some(libc::ESRCH) | Some(libc::EINVAL)
                 ) =>
             {
-                return Err(NetnsError::Gone { inode: self.inode })
+                Err(NetnsError::Gone { inode: self.inode })
             }
-            Err(source) => {
-                return Err(NetnsError::Open {
-                    inode: self.inode,
-                    path: self.path.clone(),
-                    source,
-                })
-            }
-        };
-        match file.metadata() {
-            Ok(m) if m.ino() as u32 == self.inode => Ok(file.into()),
-            _ => Err(NetnsError::Gone { inode: self.inode }),
+            Err(source) => Err(NetnsError::Open {
+                inode: self.inode,
+                path: path.to_path_buf(),
+                source,
+            }),
         }
     }
 
@@ -495,7 +532,7 @@ mod tests {
             inode: 1,
             name: None,
             own: false,
-            path: "/proc/4294967295/ns/net".into(),
+            source: Source::Path("/proc/4294967295/ns/net".into()),
         };
         let err = run_in(&ns, || ()).unwrap_err();
         assert!(err.is_gone(), "{err:?}");
@@ -509,7 +546,7 @@ mod tests {
             inode,
             name: name.map(String::from),
             own,
-            path: "/x".into(),
+            source: Source::Path("/x".into()),
         };
         let blue = ns(7, Some("blue"), false);
         assert!(blue.is("blue") && blue.is("7"));

@@ -1,6 +1,11 @@
 //! The transition ring reader: drains the tracker's event ring, flushes the per-CPU batches on a
-//! fixed tick, and reports active opens counted per (process, connecting thread, remote port).
-use std::time::{Duration, Instant};
+//! fixed tick, and reports active opens counted per (process, connecting thread, remote port,
+//! network namespace), with the process's container.
+use std::{
+    collections::HashSet,
+    sync::Arc,
+    time::{Duration, Instant},
+};
 
 use aya::maps::{MapData, RingBuf};
 use connreap_ebpf::tcp_state;
@@ -11,10 +16,12 @@ use super::{
     events::{self, FlushRound, Flusher},
     procfs,
 };
+use crate::containers::{self, Container, PodNames};
 
 /// An active open's key: the connecting process (pid, and its name as the owner dump and
-/// `snapshot` show it), the connecting thread's name, and the remote port.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+/// `snapshot` show it), the connecting thread's name, the remote port and the socket's network
+/// namespace; and where the process runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct OpenKey {
     pub pid: u32,
     /// The process's name: its thread-group leader's comm, from /proc; the thread's own name
@@ -24,38 +31,82 @@ pub struct OpenKey {
     /// thread's, e.g. `tokio-rt-worker`, in a multi-threaded client).
     pub thread: String,
     pub port: u16,
+    /// The inode of the connecting socket's network namespace, from the event (0: unknown).
+    pub netns: u32,
+    /// The process's container, from its /proc/PID/cgroup read at the drain (None: not in
+    /// one, or gone before the drain).
+    pub container: Option<Arc<Container>>,
 }
 
-/// How long a process name read from /proc is reused for the same pid (a pid is not reused
-/// that fast: the kernel hands pids out in increasing order up to pid_max).
+/// How long what was read from /proc about a pid is reused (a pid is not reused that fast: the
+/// kernel hands pids out in increasing order up to pid_max).
 const NAME_TTL: Duration = Duration::from_secs(10);
 
-/// Process names by pid, read from /proc/PID/comm at most once per [`NAME_TTL`]: the tracker
-/// records the connecting thread's comm, and a storm from a thread pool would otherwise be
-/// charged to a thread name.
-#[derive(Debug, Default)]
-struct ProcessNames {
-    names: FxHashMap<u32, (Option<String>, Instant)>,
+/// What the drain knows of a process: its name and container.
+#[derive(Debug, Clone, Default, PartialEq)]
+struct Process {
+    /// None when it has gone.
+    name: Option<String>,
+    container: Option<Arc<Container>>,
 }
 
-impl ProcessNames {
-    /// The name of process `pid` (None when it has gone), as of `now` within NAME_TTL.
-    fn get(&mut self, pid: u32, now: Instant) -> Option<String> {
-        let (name, at) = self
-            .names
+/// Processes by pid, read from /proc/PID/comm and /proc/PID/cgroup at most once per
+/// [`NAME_TTL`]: the tracker records the connecting thread's comm, and a storm from a thread
+/// pool would otherwise be charged to a thread name; the container is read as a scan reads a
+/// socket owner's (cgroup path, pod names from the host's files).
+struct Processes {
+    procs: FxHashMap<u32, (Process, Instant)>,
+    pods: PodNames,
+}
+
+impl Default for Processes {
+    fn default() -> Self {
+        Processes {
+            procs: FxHashMap::default(),
+            pods: PodNames::new("/"),
+        }
+    }
+}
+
+impl Processes {
+    /// Process `pid` as of `now` within NAME_TTL.
+    fn get(&mut self, pid: u32, now: Instant) -> Process {
+        let pods = &mut self.pods;
+        let (p, at) = self
+            .procs
             .entry(pid)
-            .or_insert_with(|| (procfs::process_comm(pid), now));
+            .or_insert_with(|| (read_process(pid, pods), now));
         if now.duration_since(*at) >= NAME_TTL {
-            *name = procfs::process_comm(pid);
+            *p = read_process(pid, pods);
             *at = now;
         }
-        name.clone()
+        p.clone()
     }
 
-    /// Forget names older than NAME_TTL (once per drain).
+    /// Forget processes read longer than NAME_TTL ago, and pods none of the others runs in
+    /// (once per drain).
     fn sweep(&mut self, now: Instant) {
-        self.names
+        self.procs
             .retain(|_, (_, at)| now.duration_since(*at) < NAME_TTL);
+        let live: HashSet<String> = self
+            .procs
+            .values()
+            .filter_map(|(p, _)| p.container.as_ref()?.pod_uid.clone())
+            .collect();
+        self.pods.retain(&live);
+    }
+}
+
+fn read_process(pid: u32, pods: &mut PodNames) -> Process {
+    let container = procfs::cgroup(pid)
+        .and_then(|c| containers::from_cgroup(&c))
+        .map(|mut c| {
+            pods.fill(&mut c);
+            Arc::new(c)
+        });
+    Process {
+        name: procfs::process_comm(pid),
+        container,
     }
 }
 
@@ -89,7 +140,7 @@ pub async fn read(ring: RingBuf<MapData>, flusher: Flusher, mut sink: impl FnMut
         }
     };
     let mut flush_failing = false;
-    let mut names = ProcessNames::default();
+    let mut names = Processes::default();
     let mut flush_tick = tokio::time::interval(FLUSH_TICK);
     flush_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
@@ -129,11 +180,11 @@ pub async fn read(ring: RingBuf<MapData>, flusher: Flusher, mut sink: impl FnMut
     }
 }
 
-/// Everything in the ring now. Opens are counted per raw (pid, comm bytes, port) first and
-/// turned into keys once per distinct triple: a churning client makes many opens a second.
-fn drain(ring: &mut RingBuf<MapData>, names: &mut ProcessNames) -> Drained {
+/// Everything in the ring now. Opens are counted per raw (pid, comm bytes, port, netns) first
+/// and turned into keys once per distinct tuple: a churning client makes many opens a second.
+fn drain(ring: &mut RingBuf<MapData>, names: &mut Processes) -> Drained {
     let mut events = 0u64;
-    let mut opens: FxHashMap<(u32, [u8; 16], u16), u64> = FxHashMap::default();
+    let mut opens: FxHashMap<RawOpen, u64> = FxHashMap::default();
     while let Some(item) = ring.next() {
         let batch = match events::decode(&item) {
             Ok(batch) => batch,
@@ -145,7 +196,9 @@ fn drain(ring: &mut RingBuf<MapData>, names: &mut ProcessNames) -> Drained {
         events += batch.len() as u64;
         for ev in batch {
             if ev.oldstate == tcp_state::CLOSE && ev.newstate == tcp_state::SYN_SENT {
-                *opens.entry((ev.pid, ev.comm, ev.dport)).or_default() += 1;
+                *opens
+                    .entry((ev.pid, ev.comm, ev.dport, ev.netns))
+                    .or_default() += 1;
             }
         }
     }
@@ -153,25 +206,30 @@ fn drain(ring: &mut RingBuf<MapData>, names: &mut ProcessNames) -> Drained {
     names.sweep(now);
     let opens = opens
         .into_iter()
-        .map(|((pid, comm, port), count)| {
-            let end = comm.iter().position(|b| *b == 0).unwrap_or(comm.len());
-            let thread = String::from_utf8_lossy(&comm[..end]).into_owned();
-            let comm = names.get(pid, now).unwrap_or_else(|| thread.clone());
-            (
-                OpenKey {
-                    pid,
-                    comm,
-                    thread,
-                    port,
-                },
-                count,
-            )
-        })
+        .map(|(raw, count)| (open_key(raw, names.get(raw.0, now)), count))
         .collect();
     Drained {
         events,
         flushed: None,
         opens,
+    }
+}
+
+/// An active open as the events give it: (pid, thread comm bytes, remote port, netns inode).
+type RawOpen = (u32, [u8; 16], u16, u32);
+
+/// The key of the opens `raw` of process `p`: named by its process name, else (gone) by the
+/// connecting thread's.
+fn open_key((pid, comm, port, netns): RawOpen, p: Process) -> OpenKey {
+    let end = comm.iter().position(|b| *b == 0).unwrap_or(comm.len());
+    let thread = String::from_utf8_lossy(&comm[..end]).into_owned();
+    OpenKey {
+        pid,
+        comm: p.name.unwrap_or_else(|| thread.clone()),
+        thread,
+        port,
+        netns,
+        container: p.container,
     }
 }
 
@@ -181,15 +239,53 @@ mod tests {
 
     #[test]
     fn names_processes_by_pid_and_caches_them() {
-        let mut names = ProcessNames::default();
+        let mut names = Processes::default();
         let me = std::process::id();
         let t0 = Instant::now();
-        let name = names.get(me, t0).expect("own process name");
+        let now = names.get(me, t0);
+        let name = now.name.clone().expect("own process name");
         assert_eq!(Some(name.clone()), procfs::process_comm(me));
-        // Within the TTL the cached name is used, even if /proc says otherwise now.
-        names.names.insert(me, (Some("cached".into()), t0));
-        assert_eq!(names.get(me, t0 + NAME_TTL / 2).as_deref(), Some("cached"));
-        assert_eq!(names.get(me, t0 + NAME_TTL), Some(name));
-        assert_eq!(names.get(u32::MAX, t0), None, "a process that has gone");
+        // The container as a scan reads it, from the same cgroup file.
+        let expected = procfs::cgroup(me).and_then(|c| containers::from_cgroup(&c));
+        assert_eq!(
+            now.container.as_deref().map(|c| &c.id),
+            expected.as_ref().map(|c| &c.id)
+        );
+        // Within the TTL the cached process is used, even if /proc says otherwise now.
+        let cached = Process {
+            name: Some("cached".into()),
+            container: None,
+        };
+        names.procs.insert(me, (cached.clone(), t0));
+        assert_eq!(names.get(me, t0 + NAME_TTL / 2), cached);
+        assert_eq!(names.get(me, t0 + NAME_TTL).name, Some(name));
+        assert_eq!(
+            names.get(u32::MAX, t0),
+            Process::default(),
+            "a process that has gone"
+        );
+        names.sweep(t0 + NAME_TTL * 3);
+        assert!(names.procs.is_empty());
+    }
+
+    #[test]
+    fn open_keys_carry_the_namespace_and_the_container() {
+        let mut comm = [0u8; 16];
+        comm[..6].copy_from_slice(b"worker");
+        let cgroup = format!("0::/system.slice/docker-{}.scope\n", "ab".repeat(32));
+        let c = Arc::new(containers::from_cgroup(&cgroup).expect("a docker cgroup"));
+        let p = Process {
+            name: Some("client".into()),
+            container: Some(c.clone()),
+        };
+        let k = open_key((5, comm, 443, 4026532001), p);
+        assert_eq!(
+            (k.pid, k.comm.as_str(), k.thread.as_str(), k.port, k.netns),
+            (5, "client", "worker", 443, 4026532001)
+        );
+        assert_eq!(k.container, Some(c));
+        // Gone before the drain: the thread's name stands in, no container.
+        let k = open_key((5, comm, 443, 0), Process::default());
+        assert_eq!((k.comm.as_str(), k.container), ("worker", None));
     }
 }

@@ -153,6 +153,7 @@ mod tests {
             walked: 2,
             gone: 1,
             failed: vec![(4026532009, "permission denied".into())],
+            known: Vec::new(),
         };
         m.observe_namespaces(&report);
         m.observe_namespaces(&report);

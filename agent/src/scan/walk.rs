@@ -105,6 +105,15 @@ impl Walks {
             || (self.scans + u64::from(inode)).is_multiple_of(self.every)
     }
 
+    /// Whether this scan's pass over processes' files looks for namespaces discovery cannot
+    /// find (see `hidden`) even when it has no other reason to read other namespaces'
+    /// sockets: on the first scan, then once per walk period.
+    pub fn look_due(&self) -> bool {
+        self.scans
+            .saturating_sub(1)
+            .is_multiple_of(self.every.max(1))
+    }
+
     /// The last walk of `inode`, if it is known.
     pub fn last(&self, inode: u32) -> Option<&Walked> {
         self.walked.get(&inode)
@@ -218,6 +227,21 @@ mod tests {
         assert!(!w.due(8, &[]));
         assert!(w.due(8, &[8]), "forced");
         assert!(Walks::new(0).due(8, &[]) && Walks::new(1).due(8, &[]));
+    }
+
+    #[test]
+    fn hidden_namespaces_are_looked_for_on_the_first_scan_and_once_per_period() {
+        let mut w = Walks::new(4);
+        let looked: Vec<u64> = (1..=9)
+            .filter(|&scan| {
+                w.scans = scan;
+                w.look_due()
+            })
+            .collect();
+        assert_eq!(looked, vec![1, 5, 9]);
+        let mut every = Walks::new(1);
+        every.scans = 7;
+        assert!(every.look_due());
     }
 
     #[test]

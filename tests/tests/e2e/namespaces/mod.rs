@@ -11,9 +11,11 @@
 mod between_walks;
 mod bpf_fallback;
 mod disappears;
+mod hidden;
 mod relay_chain;
 mod scoped_policy;
 mod sockets_api;
+mod storm_in_pod;
 mod three_containers;
 
 use std::{
