@@ -8,4 +8,5 @@ mod pool_leak;
 mod quota_source;
 mod relay;
 mod storm;
+mod webhook_redirect;
 mod webhook_retry;
