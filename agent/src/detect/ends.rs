@@ -299,11 +299,10 @@ impl Ends {
         };
         let mut servers: FxHashMap<(EpKey, EpKey), Seen> = FxHashMap::default();
         let mut any_client = false;
-        for i in 0..table.len() {
+        for (i, s) in table.iter().enumerate() {
             if !open(self, i) {
                 continue;
             }
-            let s = &table[i];
             match s.direction {
                 Direction::Inbound => note(&mut servers, (ep_key(s.local), ep_key(s.peer)), i),
                 Direction::Outbound => any_client = true,
@@ -325,11 +324,10 @@ impl Ends {
         if translated.is_empty() {
             return;
         }
-        for i in 0..table.len() {
-            if !open(self, i) || table[i].direction != Direction::Outbound {
+        for (i, s) in table.iter().enumerate() {
+            if !open(self, i) || s.direction != Direction::Outbound {
                 continue;
             }
-            let s = &table[i];
             let Some(reply) = translated.get(&(ep_key(s.local), ep_key(s.peer))) else {
                 continue;
             };
