@@ -102,16 +102,7 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
                 let by_map = upstream::mapped(&conns, &other_end);
                 feeders = upstream::owners(&by_map, quiet, |s| rel.serving(s));
             }
-            // The feeding connections: the hop's when one was followed, else the other ends of
-            // the quota's own (a port_map names the port the feeder dials).
-            let feeding: Vec<&Socket> = if up.hops.is_empty() {
-                conns
-                    .iter()
-                    .filter_map(|s| other_end.get(&s.skaddr).copied())
-                    .collect()
-            } else {
-                up.hops.iter().map(|h| h.origin).collect()
-            };
+            let feeding = feeding(&up, &conns, &other_end);
             let orphans = OrphanCounts::of(&feeding, |s| rel.serving(s));
             let procs = processes(ends.iter().copied().chain(up.hops.iter().map(|h| h.origin)));
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
@@ -171,6 +162,23 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
     out
 }
 
+/// The feeding connections' feeder ends: the hop's when one was followed, else the other ends
+/// of the quota's own connections (a port_map names the port the feeder dials).
+fn feeding<'a>(
+    up: &Upstream<'a>,
+    conns: &[&'a Socket],
+    other_end: &FxHashMap<u64, &'a Socket>,
+) -> Vec<&'a Socket> {
+    if up.hops.is_empty() {
+        conns
+            .iter()
+            .filter_map(|s| other_end.get(&s.skaddr).copied())
+            .collect()
+    } else {
+        up.hops.iter().map(|h| h.origin).collect()
+    }
+}
+
 /// The processes (pid, namespace inode) feeding the saturated entries of quota `qcfg`: the
 /// hop's origins when one is followed, else the other ends of the quota's connections. A
 /// quota-triggered policy may act on their sockets in their namespaces: that is where a leak
@@ -191,14 +199,7 @@ pub fn feeders(
         }
         let conns = connections(qcfg, &scope, entry, table);
         let up = upstream_of(qcfg, entry, &conns, table, &other_end);
-        let feeding: Vec<&Socket> = if up.hops.is_empty() {
-            conns
-                .iter()
-                .filter_map(|s| other_end.get(&s.skaddr).copied())
-                .collect()
-        } else {
-            up.hops.iter().map(|h| h.origin).collect()
-        };
+        let feeding = feeding(&up, &conns, &other_end);
         out.extend(
             feeding
                 .iter()
