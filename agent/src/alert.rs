@@ -50,6 +50,65 @@ pub struct Tracker {
     host: String,
     cadence: Cadence,
     active: BTreeMap<String, Active>,
+    /// Alerts that were firing when the daemon last stopped (fingerprint -> when they
+    /// started), read back at start: one that fires again is the same alert, not a new one.
+    inherited: BTreeMap<String, DateTime<Utc>>,
+    /// Scans left before inherited alerts that did not come back are forgotten.
+    inherit_scans: u32,
+}
+
+/// Scans an alert firing before a restart may take to come back and stay the same alert.
+const INHERIT_SCANS: u32 = 3;
+
+/// Where the daemon keeps what is firing across restarts: beside the audit log (the state
+/// directory).
+pub fn firing_path(audit_log: &str) -> std::path::PathBuf {
+    std::path::Path::new(audit_log)
+        .parent()
+        .unwrap_or(std::path::Path::new("."))
+        .join("alerts-firing.json")
+}
+
+/// What was firing when the daemon stopped; empty when there is no file. A file that cannot
+/// be read or parsed is logged and ignored (the alerts then fire anew).
+pub fn load_firing(path: &std::path::Path) -> BTreeMap<String, DateTime<Utc>> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return BTreeMap::new(),
+        Err(e) => {
+            tracing::warn!(path = %path.display(), error = %e, "cannot read the alerts firing before the restart");
+            return BTreeMap::new();
+        }
+    };
+    let parsed: Result<BTreeMap<String, String>, _> = serde_json::from_str(&text);
+    let map = parsed.map_err(|e| e.to_string()).and_then(|m| {
+        m.into_iter()
+            .map(|(k, t)| {
+                DateTime::parse_from_rfc3339(&t)
+                    .map(|t| (k, t.with_timezone(&Utc)))
+                    .map_err(|e| format!("{t}: {e}"))
+            })
+            .collect::<Result<BTreeMap<_, _>, String>>()
+    });
+    map.unwrap_or_else(|e| {
+        tracing::warn!(path = %path.display(), error = %e, "ignoring a malformed file of alerts firing before the restart");
+        BTreeMap::new()
+    })
+}
+
+/// Write what is firing (a temporary file renamed over the old one: never half a file).
+pub fn save_firing(
+    path: &std::path::Path,
+    firing: &BTreeMap<String, DateTime<Utc>>,
+) -> std::io::Result<()> {
+    let tmp = path.with_extension("json.tmp");
+    let text: BTreeMap<&str, String> = firing
+        .iter()
+        .map(|(k, t)| (k.as_str(), t.to_rfc3339()))
+        .collect();
+    let body = serde_json::to_vec(&text).map_err(std::io::Error::other)?;
+    std::fs::write(&tmp, body)?;
+    std::fs::rename(&tmp, path)
 }
 
 /// What one scan produced: the current alerts, and what to notify now.
@@ -93,10 +152,41 @@ impl Tracker {
             host,
             cadence,
             active: BTreeMap::new(),
+            inherited: BTreeMap::new(),
+            inherit_scans: 0,
         }
     }
 
+    /// Take over the alerts that were firing before a restart (see [`Tracker::firing_since`]).
+    pub fn inherit(&mut self, firing: BTreeMap<String, DateTime<Utc>>) {
+        self.inherited = firing;
+        self.inherit_scans = INHERIT_SCANS;
+    }
+
+    /// What is firing now and since when (what [`Tracker::inherit`] takes after a restart).
+    pub fn firing_since(&self) -> BTreeMap<String, DateTime<Utc>> {
+        self.active
+            .iter()
+            .map(|(k, a)| (k.clone(), a.started_at))
+            .chain(self.inherited.iter().map(|(k, t)| (k.clone(), *t)))
+            .collect()
+    }
+
+    /// [`Tracker::update_with`] saying nothing more at resolution than that it cleared.
+    #[cfg(test)]
     pub fn update(&mut self, findings: Vec<Finding>, now: Instant, wall: DateTime<Utc>) -> Update {
+        self.update_with(findings, now, wall, &|_| None)
+    }
+
+    /// One scan's findings. `resolution` gives, for a finding that cleared, the figures now
+    /// (e.g. the quota's reading), which the resolved notification states.
+    pub fn update_with(
+        &mut self,
+        findings: Vec<Finding>,
+        now: Instant,
+        wall: DateTime<Utc>,
+        resolution: &dyn Fn(&Finding) -> Option<String>,
+    ) -> Update {
         let mut current = Vec::new();
         let mut notify = Vec::new();
         let mut seen = std::collections::BTreeSet::new();
@@ -114,6 +204,24 @@ impl Tracker {
                 finding: f,
             };
             let n = match self.active.entry(alert.finding.fingerprint.clone()) {
+                Entry::Vacant(v) if self.inherited.contains_key(v.key()) => {
+                    // Firing before the restart and still: the same alert, not news. Alertmanager
+                    // receivers get it again at once (they forget what is not re-posted).
+                    let started_at = self.inherited.remove(v.key()).unwrap_or(wall);
+                    let f = &alert.finding;
+                    tracing::info!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, %started_at,
+                        "still firing since before the restart");
+                    alert.started_at = started_at;
+                    v.insert(Active {
+                        started_at,
+                        started: now,
+                        last_sent: now,
+                        last_refresh: now,
+                        last: f.clone(),
+                        sent: f.clone(),
+                    });
+                    Some(Notification::Refresh(alert.clone()))
+                }
                 Entry::Vacant(v) => {
                     let f = &alert.finding;
                     tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, "firing: {}", f.summary);
@@ -138,11 +246,32 @@ impl Tracker {
             .filter(|k| !seen.contains(*k))
             .cloned()
             .collect();
+        if self.inherit_scans > 0 {
+            self.inherit_scans -= 1;
+            if self.inherit_scans == 0 {
+                for (key, since) in std::mem::take(&mut self.inherited) {
+                    tracing::info!(fingerprint = %key, %since,
+                        "was firing before the restart and has not come back: forgotten (no resolved notification: its content was not kept)");
+                }
+            }
+        }
         for key in gone {
             if let Some(a) = self.active.remove(&key) {
                 tracing::info!(fingerprint = %key, "resolved");
+                let mut finding = a.last;
+                let held = crate::present::human(now.duration_since(a.started));
+                finding.summary = match resolution(&finding) {
+                    Some(now_text) => format!("resolved after {held}: {now_text}"),
+                    None => format!(
+                        "resolved after {held}: no longer found (last seen: count {}, oldest {})",
+                        finding.count,
+                        crate::present::human(std::time::Duration::from_secs_f64(
+                            finding.oldest_age_secs.max(0.0)
+                        ))
+                    ),
+                };
                 notify.push(Notification::Resolved(Alert {
-                    finding: a.last,
+                    finding,
                     status: Status::Resolved,
                     host: self.host.clone(),
                     started_at: a.started_at,
@@ -216,6 +345,42 @@ mod tests {
         let mut f = crate::detect::testutil_finding(Kind::CloseWaitBuildup, fp);
         f.count = count;
         f
+    }
+
+    /// After a restart, an alert still firing keeps its start and is not sent as new (only
+    /// re-posted to Alertmanager receivers); one that cleared meanwhile is forgotten.
+    #[test]
+    fn a_restart_does_not_fire_active_alerts_again() {
+        let mut t = Tracker::new("h1".into(), cadence(7200));
+        let t0 = Instant::now();
+        let w0 = Utc::now();
+        t.update(vec![finding("a", 16), finding("b", 16)], t0, w0);
+        let before = t.firing_since();
+        let dir = std::env::temp_dir().join(format!("connreap-firing-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = firing_path(&dir.join("audit.jsonl").display().to_string());
+        save_firing(&path, &before).unwrap();
+        let mut after = Tracker::new("h1".into(), cadence(7200));
+        after.inherit(load_firing(&path));
+        let w1 = w0 + chrono::Duration::seconds(30);
+        let u = after.update(vec![finding("a", 17)], t0, w1);
+        assert!(
+            matches!(u.notify[..], [Notification::Refresh(_)]),
+            "{:?}",
+            u.notify
+        );
+        assert_eq!(
+            u.current[0].started_at,
+            before[&u.current[0].finding.fingerprint]
+        );
+        for i in 1..4 {
+            let u = after.update(vec![finding("a", 17)], t0 + Duration::from_secs(i), w1);
+            assert!(u.notify.is_empty(), "{:?}", u.notify);
+        }
+        assert_eq!(after.firing_since().len(), 1, "b was forgotten");
+        std::fs::write(&path, "{not json").unwrap();
+        assert!(load_firing(&path).is_empty());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
@@ -317,7 +482,7 @@ mod tests {
             comm: "node".into(),
             unit: None,
             count: 1,
-            container: None,
+            ..Default::default()
         });
         let u = t.update(vec![f], at(202), w0);
         assert_eq!(

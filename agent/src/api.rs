@@ -236,8 +236,26 @@ async fn findings(
     Json(json!({ "findings": selected })).into_response()
 }
 
+/// Each quota's reading, with where it is read (`netns` or `container` as configured; null:
+/// connreap's own namespace).
 async fn quotas(State(st): State<Arc<AppState>>) -> Response {
-    Json(json!({ "quotas": *st.read().quotas })).into_response()
+    let readings = st.read().quotas;
+    let list: Vec<serde_json::Value> = readings
+        .iter()
+        .map(|q| {
+            let mut v = serde_json::to_value(q).unwrap_or_else(|_| json!({ "name": q.name }));
+            let place = st.cfg.quota.iter().find(|c| c.name == q.name);
+            if let Some(o) = v.as_object_mut() {
+                o.insert("netns".into(), json!(place.and_then(|c| c.netns.clone())));
+                o.insert(
+                    "container".into(),
+                    json!(place.and_then(|c| c.container.clone())),
+                );
+            }
+            v
+        })
+        .collect();
+    Json(json!({ "quotas": list })).into_response()
 }
 
 async fn reclaims(State(st): State<Arc<AppState>>) -> Response {

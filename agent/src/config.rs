@@ -380,6 +380,11 @@ pub struct PolicyConfig {
     pub max_per_round: usize,
     #[serde(default)]
     pub action: Action,
+    /// Also take a relaying process's upstream connections that may still serve a connected
+    /// downstream (a user on a quiet page). Off: only orphaned ones (downstream gone) and
+    /// connections of processes that do not relay are taken.
+    #[serde(default)]
+    pub include_serving: bool,
 }
 
 /// The finding kinds `[alerts.severity]` may name (config does not depend on the detectors;

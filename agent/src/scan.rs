@@ -180,11 +180,13 @@ impl Scanner {
             NsEvent::Enter(ns) => {
                 // Read on the thread inside the namespace: its own sysctl.
                 let ephemeral = procfs::ephemeral_ports();
-                let _ = b.begin_namespace(netns_row(ns), ephemeral.clone());
+                let keepalive = procfs::keepalive();
+                let _ = b.begin_namespace(netns_row(ns, keepalive), ephemeral.clone());
                 walked.push((
                     ns.inode,
                     (!ns.own).then(|| Walked {
                         ephemeral,
+                        keepalive,
                         at_ns: start_ns,
                         unheld: Vec::new(),
                     }),
@@ -289,7 +291,10 @@ impl Scanner {
                 .iter()
                 .map(|(i, e)| (*i, format!("{e:#}")))
                 .collect(),
-            known: spaces.iter().map(netns_row).collect(),
+            known: spaces
+                .iter()
+                .map(|ns| netns_row(ns, self.walks.last(ns.inode).and_then(|w| w.keepalive)))
+                .collect(),
         };
         log_hidden(&self.namespaces, &spaces);
         self.namespaces = spaces;
@@ -366,8 +371,13 @@ fn owners_and_between(
     let mut parts: FxHashMap<u32, usize> = between
         .iter()
         .map(|ns| {
-            let ephemeral = walks.last(ns.inode).and_then(|w| w.ephemeral.clone());
-            (ns.inode, b.begin_namespace(netns_row(ns), ephemeral))
+            let last = walks.last(ns.inode);
+            let ephemeral = last.and_then(|w| w.ephemeral.clone());
+            let keepalive = last.and_then(|w| w.keepalive);
+            (
+                ns.inode,
+                b.begin_namespace(netns_row(ns, keepalive), ephemeral),
+            )
         })
         .collect();
     let mut held = FxHashSet::default();
@@ -387,7 +397,12 @@ fn owners_and_between(
                     if !kept {
                         return;
                     }
-                    let part = b.begin_namespace(hidden_row(inode), None);
+                    // Its port range and keepalive as its last walk (while discovered) read them.
+                    let last = walks.last(inode);
+                    let part = b.begin_namespace(
+                        hidden_row(inode, last.and_then(|w| w.keepalive)),
+                        last.and_then(|w| w.ephemeral.clone()),
+                    );
                     parts.insert(inode, part);
                     part
                 }
@@ -454,19 +469,20 @@ fn find(kernel: &mut Kernel, wanted: &str) -> Result<Namespace, KernelError> {
 }
 
 /// A namespace with no name, known through the sockets held in it.
-fn hidden_row(inode: u32) -> Arc<Netns> {
+fn hidden_row(inode: u32, keepalive: Option<crate::table::Keepalive>) -> Arc<Netns> {
     Arc::new(Netns {
         inode,
-        name: None,
-        own: false,
+        keepalive,
+        ..Netns::default()
     })
 }
 
 /// A namespace as the table's rows name it.
-fn netns_row(ns: &Namespace) -> Arc<Netns> {
+fn netns_row(ns: &Namespace, keepalive: Option<crate::table::Keepalive>) -> Arc<Netns> {
     Arc::new(Netns {
         inode: ns.inode,
         name: ns.name.as_deref().map(Box::from),
         own: ns.own,
+        keepalive,
     })
 }

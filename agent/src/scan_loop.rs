@@ -73,6 +73,9 @@ fn check_watchdog_interval(
 /// State carried from one scan to the next.
 struct Carry {
     alerts: Tracker,
+    /// What was last written of the firing alerts (kept across restarts), and the last error.
+    firing_saved: std::collections::BTreeMap<String, chrono::DateTime<chrono::Utc>>,
+    firing_saved_error: Option<String>,
     memory: Memory,
     storm: StormTracker,
     window_start: Instant,
@@ -82,8 +85,14 @@ impl ScanLoop {
     pub async fn run(mut self) {
         let mut ticker = tokio::time::interval(self.cfg.agent.scan_interval);
         ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut alerts = Tracker::new(self.host.clone(), Cadence::from_config(&self.cfg.alerts));
+        let firing_saved =
+            crate::alert::load_firing(&crate::alert::firing_path(&self.cfg.reclaim.audit_log));
+        alerts.inherit(firing_saved.clone());
         let mut carry = Carry {
-            alerts: Tracker::new(self.host.clone(), Cadence::from_config(&self.cfg.alerts)),
+            firing_saved,
+            firing_saved_error: None,
+            alerts,
             memory: Memory::default(),
             storm: StormTracker::default(),
             window_start: Instant::now(),
@@ -157,9 +166,25 @@ impl ScanLoop {
         self.metrics.observe_kernel(counters);
         self.metrics.observe_programs(&programs);
         self.metrics.observe_namespaces(&namespaces);
+        let cfg = &self.cfg.detect;
         let update = carry
             .alerts
-            .update(findings, Instant::now(), chrono::Utc::now());
+            .update_with(findings, Instant::now(), chrono::Utc::now(), &|f| {
+                detect::resolution(f, cfg, &quotas)
+            });
+        let firing = carry.alerts.firing_since();
+        if firing != carry.firing_saved {
+            let path = crate::alert::firing_path(&self.cfg.reclaim.audit_log);
+            match crate::alert::save_firing(&path, &firing) {
+                Ok(()) => carry.firing_saved = firing,
+                Err(e) => {
+                    if carry.firing_saved_error.is_none() {
+                        tracing::warn!(path = %path.display(), error = %e, "cannot keep the firing alerts for a restart");
+                    }
+                    carry.firing_saved_error = Some(e.to_string());
+                }
+            }
+        }
         for n in &update.notify {
             self.webhooks.send(n);
         }

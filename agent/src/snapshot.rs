@@ -22,6 +22,14 @@ pub struct Group {
     pub pid: Option<u32>,
     pub comm: String,
     pub unit: Option<String>,
+    /// The container the owner runs in (full id), and its Kubernetes pod (`namespace/name`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod: Option<String>,
+    /// Where, for the table's summary lines: the pod, else runtime and short id.
+    #[serde(skip)]
+    pub place: Option<String>,
     pub service_port: u16,
     pub state: TcpState,
     pub count: usize,
@@ -43,6 +51,9 @@ pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
                 pid: s.pid(),
                 comm: s.comm().to_string(),
                 unit: s.unit(),
+                container: s.container_id().map(String::from),
+                pod: s.container().and_then(pod_of),
+                place: s.container().map(container_cell),
                 service_port: s.service_port,
                 state: s.state,
                 count: 0,
@@ -225,10 +236,61 @@ fn age_str(s: &Socket) -> String {
     }
 }
 
+/// A pod as `namespace/name`, when its name is known.
+fn pod_of(c: &crate::containers::Container) -> Option<String> {
+    Some(format!(
+        "{}/{}",
+        c.pod_namespace.as_ref()?,
+        c.pod_name.as_ref()?
+    ))
+}
+
+/// The POD/CONTAINER cell: the pod's `namespace/name`, else `runtime:short-id`.
+fn container_cell(c: &crate::containers::Container) -> String {
+    pod_of(c).unwrap_or_else(|| format!("{}:{}", c.runtime.as_str(), c.short_id()))
+}
+
+/// Longest UNIT cell: a cgroup path outside any unit is cut to its last component and this.
+const UNIT_WIDTH: usize = 32;
+
+/// The UNIT cell: only for processes outside containers (a container's cgroup says nothing
+/// more than its POD/CONTAINER cell), the last path component, at most [`UNIT_WIDTH`].
+fn unit_cell(s: &Socket) -> String {
+    if s.container().is_some() {
+        return "-".into();
+    }
+    let Some(unit) = s.unit() else {
+        return "-".into();
+    };
+    let last = unit.rsplit('/').find(|c| !c.is_empty()).unwrap_or(&unit);
+    if last.chars().count() <= UNIT_WIDTH {
+        return last.to_string();
+    }
+    let head: String = last.chars().take(UNIT_WIDTH - 1).collect();
+    format!("{head}…")
+}
+
+/// A value a process, cgroup or runtime file controls, as a person's terminal may show it:
+/// control characters (a newline, ESC) escaped.
+pub fn printable(s: &str) -> String {
+    if !s.chars().any(char::is_control) {
+        return s.to_string();
+    }
+    s.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect()
+}
+
 pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
     let mut rows: Vec<[String; 12]> = vec![[
         "NETNS".into(),
-        "CONTAINER".into(),
+        "POD/CONTAINER".into(),
         "PID".into(),
         "COMM".into(),
         "UNIT".into(),
@@ -242,13 +304,13 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
     ]];
     for s in socks {
         rows.push([
-            s.netns.label(),
+            printable(&s.netns.label()),
             s.container()
-                .map(|c| c.short_id().to_string())
+                .map(|c| printable(&container_cell(c)))
                 .unwrap_or_else(|| "-".into()),
             s.pid().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
-            s.comm().to_string(),
-            s.unit().unwrap_or_else(|| "-".into()),
+            printable(s.comm()),
+            printable(&unit_cell(s)),
             s.local.to_string(),
             s.peer.to_string(),
             s.state.to_string(),
@@ -283,16 +345,17 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
             out,
             "{:>6}  {} (pid {}{}{}) port {} {}, oldest {}{}",
             g.count,
-            g.comm,
+            printable(&g.comm),
             g.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
-            g.unit
-                .as_ref()
-                .map(|u| format!(", {u}"))
-                .unwrap_or_default(),
+            match (&g.place, &g.unit) {
+                (Some(place), _) => format!(", {}", printable(place)),
+                (None, Some(u)) => format!(", {}", printable(u.rsplit('/').next().unwrap_or(u))),
+                (None, None) => String::new(),
+            },
             if g.netns == "host" {
                 String::new()
             } else {
-                format!(", netns {}", g.netns)
+                format!(", netns {}", printable(&g.netns))
             },
             g.service_port,
             g.state,
@@ -307,6 +370,7 @@ pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
 pub(crate) mod tests {
     use super::*;
     use crate::table::{Direction, Owner};
+    use std::sync::Arc;
 
     pub(crate) fn sock(
         pid: u32,
@@ -359,6 +423,68 @@ pub(crate) mod tests {
         let text = render_table(&refs, &g);
         assert!(
             text.contains("3  java (pid 10) port 80 CLOSE_WAIT, oldest 1m42s"),
+            "{text}"
+        );
+    }
+
+    /// Pods by name, containers by runtime and short id, units only outside containers and
+    /// cut short, and nothing a process controls reaches the terminal raw.
+    #[test]
+    fn the_table_names_pods_and_escapes_what_processes_control() {
+        use crate::containers::{Container, Runtime};
+        let mut a = sock(10, "evil\n\u{1b}[31mx", TcpState::Established, 80, 10, 10);
+        let mut b = sock(20, "node", TcpState::Established, 81, 10, 10);
+        let mut c = sock(30, "java", TcpState::Established, 82, 10, 10);
+        let pod = Container {
+            id: "ab".repeat(32),
+            runtime: Runtime::Containerd,
+            pod_uid: None,
+            pod_name: Some("proxy-6d9f".into()),
+            pod_namespace: Some("shop".into()),
+        };
+        let bare = Container {
+            id: "cd".repeat(32),
+            runtime: Runtime::Docker,
+            pod_uid: None,
+            pod_name: None,
+            pod_namespace: None,
+        };
+        let owner = |s: &Socket, unit: &str, c: Option<&Container>| {
+            Some(Arc::new(Owner {
+                unit: Some(Arc::from(unit)),
+                container: c.map(|c| Arc::new(c.clone())),
+                ..(**s.owner.as_ref().unwrap()).clone()
+            }))
+        };
+        a.owner = owner(
+            &a,
+            "/user.slice/user-0.slice/session-3-very-long-name-of-a-scope.scope",
+            None,
+        );
+        b.owner = owner(
+            &b,
+            &format!("/kubepods.slice/cri-containerd-{}.scope", pod.id),
+            Some(&pod),
+        );
+        c.owner = owner(&c, "docker-x.scope", Some(&bare));
+        let refs: Vec<&Socket> = vec![&a, &b, &c];
+        let text = render_table(&refs, &summarize(&refs, Duration::from_secs(30)));
+        assert!(!text.contains('\u{1b}'), "{text}");
+        assert_eq!(
+            text.lines().filter(|l| l.contains("evil")).count(),
+            2,
+            "one row and one summary line: {text}"
+        );
+        assert!(text.contains("evil\\n\\u{1b}[31mx"), "{text}");
+        assert!(text.contains("session-3-very-long-name-of-a-s…"), "{text}");
+        assert!(text.contains("shop/proxy-6d9f"), "{text}");
+        assert!(text.contains("docker:cdcdcdcdcdcd"), "{text}");
+        assert!(
+            !text.contains("kubepods"),
+            "no unit for a container's process: {text}"
+        );
+        assert!(
+            text.contains("node (pid 20, shop/proxy-6d9f) port 81"),
             "{text}"
         );
     }

@@ -245,6 +245,37 @@ impl Serialize for Endpoint {
     }
 }
 
+/// A namespace's TCP keepalive sysctls (`net.ipv4.tcp_keepalive_*`): a socket with
+/// SO_KEEPALIVE and no per-socket override is probed after `time_secs` idle, then every
+/// `intvl_secs`, and reset after `probes` unanswered probes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Keepalive {
+    pub time_secs: u64,
+    pub intvl_secs: u64,
+    pub probes: u64,
+}
+
+impl Default for Keepalive {
+    /// Linux's defaults.
+    fn default() -> Self {
+        Keepalive {
+            time_secs: 7200,
+            intvl_secs: 75,
+            probes: 9,
+        }
+    }
+}
+
+impl Keepalive {
+    /// Idle time after which the kernel has given up on a peer that answers no probe.
+    pub fn reap_after(&self) -> Duration {
+        Duration::from_secs(
+            self.time_secs
+                .saturating_add(self.intvl_secs.saturating_mul(self.probes)),
+        )
+    }
+}
+
 /// The network namespace a socket lives in.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct Netns {
@@ -254,6 +285,8 @@ pub struct Netns {
     pub name: Option<Box<str>>,
     /// connreap's own namespace (the host's, when connreap runs on the host).
     pub own: bool,
+    /// Its keepalive sysctls, when they were read (None: Linux's defaults are assumed).
+    pub keepalive: Option<Keepalive>,
 }
 
 impl Netns {
@@ -264,6 +297,7 @@ impl Netns {
                 inode: 0,
                 name: None,
                 own: true,
+                keepalive: None,
             })
         });
         OWN.clone()
@@ -395,6 +429,15 @@ impl Socket {
     pub fn last_send(&self) -> Option<Duration> {
         opt_ms(self.last_send_ms)
     }
+    /// Set the times since data was last received and sent (tests and fixtures; the table
+    /// builder sets the fields itself), and the idle time with them.
+    #[cfg(test)]
+    pub fn set_last_io(&mut self, recv: Option<Duration>, send: Option<Duration>) {
+        let ms = |d: Option<Duration>| d.map_or(NO_MS, |d| d.as_millis() as u64);
+        self.last_recv_ms = ms(recv);
+        self.last_send_ms = ms(send);
+        self.idle = opt_ms(self.last_recv_ms.min(self.last_send_ms));
+    }
 }
 
 /// One end of a connection as integers: its namespace and both endpoints, IPv4 held as
@@ -524,6 +567,7 @@ mod tests {
                 inode: ns,
                 name: None,
                 own: true,
+                keepalive: None,
             });
             s
         };

@@ -104,6 +104,9 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
         "/usr/bin/prometheus-alertmanager",
     ),
     ("prometheus", "/usr/bin/promtool"),
+    // The pod tests: Services as DNAT rules, and the relay incident's proxy on Node.js.
+    ("iptables", "/usr/sbin/iptables"),
+    ("nodejs", "/usr/bin/node"),
 ];
 
 /// Install the test-only packages that are missing (their services are not started: there

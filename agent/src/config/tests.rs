@@ -595,3 +595,24 @@ fn namespace_and_container_errors_name_line_and_key() {
     parse(&policy("container = \"abcd\""), "c.toml").unwrap();
     parse(&policy("netns = \"blue\""), "c.toml").unwrap();
 }
+
+/// A policy that cannot select anything on any host is a warning that names why.
+#[test]
+fn policies_that_never_select_are_warned_about() {
+    let w = |select: &str| {
+        let text = format!(
+            "[reclaim]\nprotect_ports = [22]\n[[policy]]\nname = \"p\"\ntrigger = \"always\"\nselect = {{ {select} }}\n"
+        );
+        warnings(&parse(&text, "c.toml").unwrap())
+    };
+    let long = w("comm = \"connreap-testpeer\"");
+    assert_eq!(long.len(), 1, "{long:?}");
+    assert!(
+        long[0].contains("policy p: can never select a socket")
+            && long[0].contains("write \"connreap-testpe\""),
+        "{long:?}"
+    );
+    assert!(w("comm = \"node\", states = [\"TIME_WAIT\"]")[0].contains("never reclaimed"));
+    assert!(w("peer_port = 22")[0].contains("select.peer_port = 22 is in reclaim.protect_ports"));
+    assert!(w("comm = \"node\", states = [\"ESTABLISHED\"]").is_empty());
+}

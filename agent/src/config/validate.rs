@@ -294,6 +294,38 @@ fn validate_selector(entry: &KeyPath, p: &PolicyConfig) -> Result<(), Invalid> {
     Ok(())
 }
 
+/// Why policy `p` can select nothing whatever the host holds, if it cannot.
+fn never_selects(cfg: &Config, p: &PolicyConfig) -> Option<String> {
+    let sel = &p.select;
+    if let Some(comm) = sel.comm.as_deref().filter(|c| c.len() > 15) {
+        return Some(format!(
+            "select.comm = \"{}\" is longer than the 15 bytes the kernel keeps of a command \
+             name (write \"{}\")",
+            comm.escape_debug(),
+            truncate_comm(comm).escape_debug()
+        ));
+    }
+    let never = [TcpState::Listen, TcpState::TimeWait, TcpState::NewSynRecv];
+    if !sel.states.is_empty() && sel.states.iter().all(|s| never.contains(s)) {
+        return Some("select.states names only states that are never reclaimed (LISTEN, TIME_WAIT, NEW_SYN_RECV)".into());
+    }
+    for (key, port) in [("local_port", sel.local_port), ("peer_port", sel.peer_port)] {
+        if let Some(port) = port.filter(|p| cfg.reclaim.protect_ports.contains(p)) {
+            return Some(format!("select.{key} = {port} is in reclaim.protect_ports"));
+        }
+    }
+    None
+}
+
+/// The first 15 bytes of `comm` (on a character boundary).
+fn truncate_comm(comm: &str) -> &str {
+    let mut end = 15.min(comm.len());
+    while !comm.is_char_boundary(end) {
+        end -= 1;
+    }
+    &comm[..end]
+}
+
 /// What is allowed but probably not meant, one message each (logged by `run` as warnings and
 /// printed by `check-config`).
 pub fn warnings(cfg: &Config) -> Vec<String> {
@@ -306,6 +338,12 @@ pub fn warnings(cfg: &Config) -> Vec<String> {
         ));
     }
     for p in &cfg.policy {
+        if let Some(why) = never_selects(cfg, p) {
+            out.push(format!(
+                "policy {}: can never select a socket: {why}",
+                p.name
+            ));
+        }
         if p.select.comm.as_deref() == Some("?") && !p.select.unowned {
             out.push(format!(
                 "policy {}: select.comm = \"?\" matches no socket without an owner \

@@ -3,19 +3,15 @@
 //! flaky network, a peer host powered off), this host sees only its own end: ESTABLISHED,
 //! queues empty, idle for a long time. Without TCP keepalive or an application heartbeat the
 //! kernel never finds out, and the socket stays forever.
-use std::{
-    collections::{hash_map::Entry, BTreeMap},
-    net::IpAddr,
-};
+use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
-use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use super::{describe_owners, oldest_briefs, owner_identity, processes, Finding, Kind};
+use super::{describe_owners, oldest_briefs, owner_identity, processes, Finding, Kind, Relations};
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
-    table::{ConnKey, Direction, Socket, TcpState},
+    table::{Direction, Socket, TcpState},
 };
 
 /// At most this many peers are listed in a finding.
@@ -34,44 +30,25 @@ fn idle_one_end(s: &Socket, cfg: &DetectConfig) -> bool {
         && s.idle.is_some_and(|i| i >= cfg.idle_established_min_idle)
 }
 
-pub fn detect(table: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
-    let candidates: Vec<&Socket> = table.iter().filter(|s| idle_one_end(s, cfg)).collect();
-    if candidates.len() < cfg.idle_established_threshold {
+pub fn detect(rel: &Relations<'_>, cfg: &DetectConfig) -> Vec<Finding> {
+    let table = rel.table();
+    let candidates = table.iter().filter(|s| idle_one_end(s, cfg)).count();
+    if candidates < cfg.idle_established_threshold {
         return Vec::new();
     }
     // Connections with both ends on this host are stuck_established_pairs' (which names both
-    // owners): left out here, whether or not the other end is idle too. One pass over the
-    // table looks for the candidates' other ends (only reached when there are enough
-    // candidates to fire). The other end is looked for in the socket's own namespace only, as
-    // `local_pairs` pairs them; groups are per namespace too.
-    // Each candidate's other end, as the other end would key itself; a duplicate (two rows of
-    // one connection end) shares its first's verdict.
-    let mut other_ends: FxHashMap<ConnKey, usize> =
-        FxHashMap::with_capacity_and_hasher(candidates.len(), Default::default());
-    let mut dups: Vec<(usize, usize)> = Vec::new();
-    for (i, s) in candidates.iter().enumerate() {
-        match other_ends.entry(ConnKey::other_end(s)) {
-            Entry::Occupied(first) => dups.push((i, *first.get())),
-            Entry::Vacant(e) => {
-                e.insert(i);
-            }
-        }
-    }
-    let mut paired = vec![false; candidates.len()];
-    for t in table.iter().filter(|s| s.state != TcpState::Listen) {
-        if let Some(&i) = other_ends.get(&ConnKey::of(t)) {
-            paired[i] = true;
-        }
-    }
-    for (i, first) in dups {
-        paired[i] = paired[first];
-    }
+    // owners): left out here, whether or not the other end is idle too, and wherever the other
+    // end lives (another pod's namespace, behind a Service's DNAT: see `ends`). So are sockets
+    // whose other end could be one of several on this host (not a ghost either way).
+    let ends = rel.ends();
     let mut groups: BTreeMap<(u32, Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
-    for (s, _) in candidates.iter().zip(&paired).filter(|(_, &p)| !p) {
-        groups
-            .entry((s.netns.inode, s.pid(), s.service_port))
-            .or_default()
-            .push(s);
+    for (i, s) in table.iter().enumerate() {
+        if idle_one_end(s, cfg) && ends.other(i).is_none() && !ends.ambiguous(i) {
+            groups
+                .entry((s.netns.inode, s.pid(), s.service_port))
+                .or_default()
+                .push(s);
+        }
     }
     groups
         .into_iter()
@@ -129,10 +106,31 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
     if distinct > top.len() {
         peer_text.push(format!("{} more", distinct - top.len()));
     }
+    // With keepalive, the kernel resets a socket whose peer is gone once it has been idle
+    // for the namespace's time + probes × interval (sockets may override these; the
+    // namespace's are what most use).
+    let ka = socks[0].netns.keepalive.unwrap_or_default();
+    let reap_after = ka.reap_after();
+    let reap_in = socks
+        .iter()
+        .filter(|s| s.keepalive)
+        .map(|s| reap_after.saturating_sub(s.idle.unwrap_or_default()))
+        .max();
+    let ka_rule = format!(
+        "tcp_keepalive_time {}s + {} × {}s",
+        ka.time_secs, ka.probes, ka.intvl_secs
+    );
     let keepalive_text = match keepalive_on {
         0 => "TCP keepalive off: the kernel never finds out if the peer is gone".to_string(),
-        k if k == n => "TCP keepalive on".to_string(),
-        k => format!("TCP keepalive on for {k} of {n}"),
+        k if k == n && reap_in == Some(Duration::ZERO) => format!(
+            "TCP keepalive on and every one idle past {} ({ka_rule}), when the kernel resets a socket whose peer is gone: the peers answer keepalive probes, so they are alive (idle connections, not ghosts)",
+            human(reap_after)
+        ),
+        k => format!(
+            "TCP keepalive on{}: reaped by keepalive in ≤ {} if the peer is gone ({ka_rule})",
+            if k == n { String::new() } else { format!(" for {k} of {n}") },
+            human(reap_in.unwrap_or_default())
+        ),
     };
     let owners = processes(socks.iter().copied());
     // Identity without the pid (see `owner_identity`): a restarted service keeps its alert.
@@ -157,6 +155,7 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
     f.processes = owners;
     f.sockets = oldest_briefs(socks.iter().copied());
     f.keepalive = Some(keepalive_on == n);
+    f.keepalive_reap_secs = reap_in.map(round_secs);
     f.peers = top;
     f
 }
@@ -167,6 +166,10 @@ mod tests {
 
     use super::*;
     use crate::detect::testutil::sock;
+
+    fn det(t: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
+        detect(&Relations::new(t), cfg)
+    }
 
     /// `n` sockets of server pid 7 accepted on port 8080 from `peers` addresses in turn,
     /// idle `idle_secs`.
@@ -188,13 +191,13 @@ mod tests {
     #[test]
     fn fires_at_threshold_with_peers_and_keepalive() {
         let cfg = DetectConfig::default();
-        assert!(detect(&ghosts(63, 3, 700), &cfg).is_empty(), "63 < 64");
+        assert!(det(&ghosts(63, 3, 700), &cfg).is_empty(), "63 < 64");
         assert!(
-            detect(&ghosts(100, 3, 500), &cfg).is_empty(),
+            det(&ghosts(100, 3, 500), &cfg).is_empty(),
             "idle 500s < 10m: a keep-alive pool between requests"
         );
         let t = ghosts(64, 3, 700);
-        let f = detect(&t, &cfg);
+        let f = det(&t, &cfg);
         assert_eq!(f.len(), 1);
         let f = &f[0];
         assert_eq!(f.kind, Kind::IdleEstablishedBuildup);
@@ -227,14 +230,41 @@ mod tests {
         for s in &mut t {
             s.keepalive = true;
         }
-        let f = &detect(&t, &cfg)[0];
+        let f = &det(&t, &cfg)[0];
         assert_eq!(f.keepalive, Some(true));
-        assert!(f.summary.contains("; TCP keepalive on;"), "{}", f.summary);
+        // Idle 700 s of Linux's default 7875 s (2h + 9 × 75s).
+        assert_eq!(f.keepalive_reap_secs, Some(7175.0));
+        assert!(
+            f.summary.contains("; TCP keepalive on: reaped by keepalive in ≤ 1h59m if the peer is gone (tcp_keepalive_time 7200s + 9 × 75s);"),
+            "{}",
+            f.summary
+        );
+        // A namespace that probes after 60 s, 3 × 10 s: past 90 s idle the peers answered.
+        let short = std::sync::Arc::new(crate::table::Netns {
+            keepalive: Some(crate::table::Keepalive {
+                time_secs: 60,
+                intvl_secs: 10,
+                probes: 3,
+            }),
+            ..(*t[0].netns).clone()
+        });
+        let mut alive = t.clone();
+        for s in &mut alive {
+            s.netns = short.clone();
+        }
+        let f = &det(&alive, &cfg)[0];
+        assert_eq!(f.keepalive_reap_secs, Some(0.0));
+        assert!(
+            f.summary.contains("the peers answer keepalive probes, so they are alive (idle connections, not ghosts)"),
+            "{}",
+            f.summary
+        );
         t[0].keepalive = false;
-        let f = &detect(&t, &cfg)[0];
+        let f = &det(&t, &cfg)[0];
         assert_eq!(f.keepalive, Some(false));
         assert!(
-            f.summary.contains("TCP keepalive on for 63 of 64"),
+            f.summary
+                .contains("TCP keepalive on for 63 of 64: reaped by keepalive in"),
             "{}",
             f.summary
         );
@@ -245,10 +275,10 @@ mod tests {
         let cfg = DetectConfig::default();
         let mut t = ghosts(64, 8, 700);
         t[0].rx_queue = 1;
-        assert!(detect(&t, &cfg).is_empty(), "data waiting: not idle");
+        assert!(det(&t, &cfg).is_empty(), "data waiting: not idle");
         let mut t = ghosts(64, 8, 700);
         t[0].idle = Some(Duration::from_secs(1));
-        assert!(detect(&t, &cfg).is_empty());
+        assert!(det(&t, &cfg).is_empty());
         // The other end of one of them is on this host: stuck_established_pairs' case.
         let mut t = ghosts(64, 8, 700);
         let mut client = sock(
@@ -261,53 +291,74 @@ mod tests {
         client.skaddr = 1;
         client.direction = Direction::Outbound;
         t.push(client.clone());
-        assert!(detect(&t, &cfg).is_empty());
+        assert!(det(&t, &cfg).is_empty());
         // Two rows of that end (the same connection end twice): both left out.
         let mut t = ghosts(65, 8, 700);
         let mut twin = t[0].clone();
         twin.skaddr = 999;
         t[64] = twin;
-        assert_eq!(detect(&t, &cfg)[0].count, 65);
+        assert_eq!(det(&t, &cfg)[0].count, 65);
         t.push(client);
-        assert!(detect(&t, &cfg).is_empty(), "63 left: under the threshold");
+        assert!(det(&t, &cfg).is_empty(), "63 left: under the threshold");
     }
 
-    /// The other end of a connection is looked for in the socket's namespace only: a socket
-    /// with the same addresses in another namespace is another connection.
+    /// The other end of a connection is looked for across namespaces for pod addresses (a
+    /// client pod's socket with the reversed tuple is the other end: not a ghost), in the
+    /// socket's own namespace only for loopback ones (another namespace's 127.0.0.1 is another
+    /// connection).
     #[test]
     fn other_ends_and_groups_are_per_namespace() {
         use crate::detect::scope_testutil::{netns, place};
         let cfg = DetectConfig::default();
         let (a, b) = (netns(31, Some("a")), netns(32, Some("b")));
-        let mut t: Vec<Socket> = ghosts(64, 8, 700)
-            .into_iter()
-            .map(|s| place(s, &a, None))
-            .collect();
-        let mut client = sock(
-            9,
-            "client",
-            &t[0].peer.to_string(),
-            &t[0].local.to_string(),
-            TcpState::Established,
-        );
-        client.skaddr = 1;
-        client.direction = Direction::Outbound;
-        t.push(place(client, &b, None));
-        let f = detect(&t, &cfg);
-        assert_eq!(f.len(), 1, "{f:?}");
-        assert_eq!(f[0].count, 64);
-        assert_eq!(f[0].netns, 31);
-        assert_eq!(
-            f[0].fingerprint,
-            "idle_established_buildup:server:8080@netns:a"
-        );
+        for (server, peers, ghosts_left) in [
+            ("10.0.0.1:8080", "10.0.0", 63),
+            ("127.0.0.1:8080", "127.0.0", 64),
+        ] {
+            let mut t: Vec<Socket> = ghosts(64, 8, 700)
+                .into_iter()
+                .map(|mut s| {
+                    s.local = server.parse().unwrap();
+                    s.peer = format!(
+                        "{peers}.{}:{}",
+                        s.peer.ip().to_string().rsplit('.').next().unwrap(),
+                        s.peer.port()
+                    )
+                    .parse()
+                    .unwrap();
+                    place(s, &a, None)
+                })
+                .collect();
+            let mut client = sock(
+                9,
+                "client",
+                &t[0].peer.to_string(),
+                &t[0].local.to_string(),
+                TcpState::Established,
+            );
+            client.skaddr = 1;
+            client.direction = Direction::Outbound;
+            t.push(place(client, &b, None));
+            let f = det(&t, &cfg);
+            if ghosts_left < 64 {
+                assert!(f.is_empty(), "{server}: {f:?}");
+                continue;
+            }
+            assert_eq!(f.len(), 1, "{f:?}");
+            assert_eq!(f[0].count, 64);
+            assert_eq!(f[0].netns, 31);
+            assert_eq!(
+                f[0].fingerprint,
+                "idle_established_buildup:server:8080@netns:a"
+            );
+        }
         // 32 + 32 of one process in two namespaces: under the threshold in each.
         let t: Vec<Socket> = ghosts(64, 8, 700)
             .into_iter()
             .enumerate()
             .map(|(i, s)| place(s, if i % 2 == 0 { &a } else { &b }, None))
             .collect();
-        assert!(detect(&t, &cfg).is_empty());
+        assert!(det(&t, &cfg).is_empty());
     }
 
     #[test]
@@ -330,7 +381,7 @@ mod tests {
             .owner;
         }
         t.extend(other);
-        let f = detect(&t, &cfg);
+        let f = det(&t, &cfg);
         assert_eq!(f.len(), 1, "pid 8 holds 3 < 4");
         assert_eq!(f[0].peers.len(), MAX_PEERS);
         assert!(f[0].summary.ends_with(", 5 more"), "{}", f[0].summary);
@@ -349,7 +400,7 @@ mod tests {
                 s
             })
             .collect();
-        let f = detect(&out, &cfg);
+        let f = det(&out, &cfg);
         assert_eq!(f[0].service_port, Some(25001));
         assert!(
             f[0].summary

@@ -1,19 +1,27 @@
 //! Leak detectors: pure functions over the socket table, quota readings and connection-rate
 //! windows. Each returns findings; `run` runs them all.
 mod close_wait;
+mod downstream;
+mod ends;
 mod idle;
 mod pairs;
 mod quota;
+mod resolved;
 mod scope;
 mod storm;
 mod upstream;
 
 use std::collections::BTreeMap;
 
+use rustc_hash::FxHashSet;
+
 use serde::Serialize;
 
+pub use downstream::{Downstreams, Orphan};
+pub use ends::Ends;
 pub use idle::PeerCount;
-pub use pairs::local_pairs;
+pub use quota::feeders;
+pub use resolved::resolution;
 pub use scope::identity;
 pub use storm::{ConnKey, StormTracker};
 pub use upstream::UpstreamOwner;
@@ -69,7 +77,7 @@ impl Kind {
     ];
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct ProcessCount {
     pub pid: Option<u32>,
     pub comm: String,
@@ -78,6 +86,38 @@ pub struct ProcessCount {
     /// The full id of the container it runs in, if it runs in one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container: Option<String>,
+    /// That container's runtime, and its Kubernetes pod when known.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub container_runtime: Option<&'static str>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    /// The network namespace of its sockets counted here (inode; 0 unknown).
+    #[serde(skip_serializing_if = "is_zero")]
+    pub netns: u32,
+}
+
+fn is_zero(n: &u32) -> bool {
+    *n == 0
+}
+
+impl ProcessCount {
+    /// The owner of `s`, counting `count` sockets.
+    pub fn of(s: &Socket, count: usize) -> Self {
+        let c = s.container();
+        ProcessCount {
+            pid: s.pid(),
+            comm: s.comm().to_string(),
+            unit: s.unit(),
+            count,
+            container: c.map(|c| c.id.clone()),
+            container_runtime: c.map(|c| c.runtime.as_str()),
+            pod_name: c.and_then(|c| c.pod_name.clone()),
+            pod_namespace: c.and_then(|c| c.pod_namespace.clone()),
+            netns: s.netns.inode,
+        }
+    }
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -123,6 +163,39 @@ impl Verdict {
     }
 }
 
+/// Connections feeding a quota's holder from relaying processes, by whether they still serve
+/// a connected downstream (see `downstream`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct OrphanCounts {
+    /// Feeding connections whose feeder is a relay (it listens).
+    pub feeding: usize,
+    pub orphaned: usize,
+    pub serving: usize,
+    pub ambiguous: usize,
+}
+
+impl OrphanCounts {
+    /// The counts over `socks` (None when no feeder is a relay).
+    pub fn of(socks: &[&Socket], serving: impl Fn(&Socket) -> Option<Orphan>) -> Option<Self> {
+        let mut c = OrphanCounts {
+            feeding: 0,
+            orphaned: 0,
+            serving: 0,
+            ambiguous: 0,
+        };
+        for s in socks {
+            match serving(s) {
+                Some(Orphan::Orphaned) => c.orphaned += 1,
+                Some(Orphan::Serving) => c.serving += 1,
+                Some(Orphan::Ambiguous) => c.ambiguous += 1,
+                None => continue,
+            }
+            c.feeding += 1;
+        }
+        (c.feeding > 0).then_some(c)
+    }
+}
+
 /// At most this many sockets are listed in a finding.
 pub const MAX_SOCKETS: usize = 20;
 
@@ -157,6 +230,11 @@ pub struct Finding {
     /// idle_established_buildup: whether TCP keepalive is on for every one of the sockets.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub keepalive: Option<bool>,
+    /// idle_established_buildup with keepalive on: seconds until the kernel resets the last of
+    /// them if the peer is gone (from the namespace's tcp_keepalive_* sysctls); 0 when they are
+    /// all past that, so the peer answers probes.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub keepalive_reap_secs: Option<f64>,
     /// idle_established_buildup: the remote addresses, most sockets first (a few).
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub peers: Vec<PeerCount>,
@@ -164,6 +242,10 @@ pub struct Finding {
     /// upstream, when no port_map names the port carrying its streams.
     #[serde(skip_serializing_if = "Vec::is_empty")]
     pub upstream: Vec<UpstreamOwner>,
+    /// quota_exhausted_by_leak: the connections feeding the quota's holder, and how many of
+    /// them are orphaned (their downstream is gone) or still serve a connected one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub orphans: Option<OrphanCounts>,
     /// The network namespace of its sockets: the inode (0: not known, or no sockets).
     pub netns: u32,
     /// The namespace's name under `/run/netns` or `/run/docker/netns`, if it has one.
@@ -196,8 +278,10 @@ impl Finding {
             rate_per_sec: None,
             reason: None,
             keepalive: None,
+            keepalive_reap_secs: None,
             peers: Vec::new(),
             upstream: Vec::new(),
+            orphans: None,
             netns: 0,
             netns_name: None,
             netns_own: true,
@@ -231,6 +315,7 @@ impl Finding {
             inode: self.netns,
             name: self.netns_name.as_deref().map(Box::from),
             own: self.netns_own,
+            keepalive: None,
         }
         .label()
     }
@@ -255,13 +340,7 @@ pub fn processes<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Process
     let mut by: BTreeMap<Option<u32>, ProcessCount> = BTreeMap::new();
     for s in socks {
         by.entry(s.pid())
-            .or_insert_with(|| ProcessCount {
-                pid: s.pid(),
-                comm: s.comm().to_string(),
-                unit: s.unit(),
-                count: 0,
-                container: s.container_id().map(String::from),
-            })
+            .or_insert_with(|| ProcessCount::of(s, 0))
             .count += 1;
     }
     let mut v: Vec<ProcessCount> = by.into_values().collect();
@@ -308,6 +387,9 @@ pub fn describe_owners(p: &[ProcessCount]) -> String {
 #[derive(Debug, Default)]
 pub struct Memory {
     close_wait_counts: BTreeMap<String, usize>,
+    /// Processes seen relaying (pids): judged as relays while none of their downstreams is
+    /// connected too (see `downstream`).
+    relays: FxHashSet<u32>,
 }
 
 pub struct Input<'a> {
@@ -318,12 +400,66 @@ pub struct Input<'a> {
     pub storm: &'a StormTracker,
 }
 
+/// How the sockets of one table relate: the other end of each connection (across namespaces
+/// too) and, for relaying processes, whether an upstream still serves a connected downstream.
+/// Each is computed on first use (a quiet host needs neither).
+pub struct Relations<'a> {
+    table: &'a [Socket],
+    /// Processes seen relaying in earlier scans (see `downstream`).
+    known_relays: FxHashSet<u32>,
+    ends: std::cell::OnceCell<Ends>,
+    downstreams: std::cell::OnceCell<Downstreams>,
+}
+
+impl<'a> Relations<'a> {
+    pub fn new(table: &'a [Socket]) -> Self {
+        Self::knowing(table, FxHashSet::default())
+    }
+    /// With the processes seen relaying in earlier scans.
+    pub fn knowing(table: &'a [Socket], known_relays: FxHashSet<u32>) -> Self {
+        Relations {
+            table,
+            known_relays,
+            ends: Default::default(),
+            downstreams: Default::default(),
+        }
+    }
+    pub fn table(&self) -> &'a [Socket] {
+        self.table
+    }
+    pub fn ends(&self) -> &Ends {
+        self.ends.get_or_init(|| Ends::new(self.table))
+    }
+    pub fn downstreams(&self) -> &Downstreams {
+        self.downstreams
+            .get_or_init(|| Downstreams::new(self.table, self.ends(), &self.known_relays))
+    }
+    /// The row of `s`, a socket of this table.
+    pub fn row(&self, s: &Socket) -> Option<usize> {
+        let size = std::mem::size_of::<Socket>();
+        let off = (s as *const Socket as usize).checked_sub(self.table.as_ptr() as usize)?;
+        (off % size == 0 && off / size < self.table.len()).then_some(off / size)
+    }
+    /// Whether `s` (an upstream of a relaying process, or its far end) still serves a
+    /// connected downstream.
+    pub fn serving(&self, s: &Socket) -> Option<Orphan> {
+        self.downstreams().status(self.row(s)?)
+    }
+}
+
 /// Run every detector.
 pub fn run(input: &Input<'_>, memory: &mut Memory) -> Vec<Finding> {
+    // Relays remembered while their pid still holds sockets.
+    let pids: FxHashSet<u32> = input.table.iter().filter_map(Socket::pid).collect();
+    memory.relays.retain(|p| pids.contains(p));
+    let rel = Relations::knowing(input.table, memory.relays.clone());
     let mut out = close_wait::detect(input.table, input.cfg, &mut memory.close_wait_counts);
-    out.extend(pairs::detect(input.table, input.cfg));
-    out.extend(idle::detect(input.table, input.cfg));
-    out.extend(quota::detect(input));
+    out.extend(pairs::detect(&rel, input.cfg));
+    out.extend(idle::detect(&rel, input.cfg));
+    out.extend(quota::detect(input, &rel));
+    if let Some(d) = rel.downstreams.get() {
+        memory.relays.extend(d.relays(input.table));
+    }
     out.extend(input.storm.findings(input.cfg));
     out.extend(quota::unavailable(input.quotas));
     merge_same_identity(out)

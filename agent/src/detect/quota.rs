@@ -4,9 +4,9 @@ use std::time::Duration;
 use rustc_hash::FxHashMap;
 
 use super::{
-    describe_owners, local_pairs, oldest_briefs, processes,
+    describe_owners, oldest_briefs, processes,
     upstream::{self, Upstream},
-    Finding, Input, Kind, QuotaRef, Verdict, MAX_SOCKETS,
+    Finding, Input, Kind, OrphanCounts, QuotaRef, Relations, Verdict, MAX_SOCKETS,
 };
 use crate::{
     config::QuotaConfig,
@@ -46,7 +46,7 @@ fn connections<'a>(
         .collect()
 }
 
-pub fn detect(input: &Input<'_>) -> Vec<Finding> {
+pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
     let cfg = input.cfg;
     let saturated = |e: &QuotaEntry| (e.used as f64) >= cfg.quota_saturation * e.limit as f64;
     let any_saturated = input
@@ -54,15 +54,13 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
         .iter()
         .filter(|s| s.error.is_none())
         .any(|s| s.entries.iter().any(saturated));
-    // The other end of each local connection, to name both owners (only needed, and only
-    // computed, when some quota is saturated).
-    let mut other_end: FxHashMap<u64, &Socket> = FxHashMap::default();
-    if any_saturated {
-        for p in local_pairs(input.table) {
-            other_end.insert(p.client.skaddr, p.server);
-            other_end.insert(p.server.skaddr, p.client);
-        }
-    }
+    // The other end of each connection on this host (across namespaces too), to name both
+    // owners (only needed, and only computed, when some quota is saturated).
+    let other_end: FxHashMap<u64, &Socket> = if any_saturated {
+        rel.ends().by_skaddr(input.table)
+    } else {
+        FxHashMap::default()
+    };
     let mut out = Vec::new();
     for status in input.quotas.iter().filter(|s| s.error.is_none()) {
         let Some(qcfg) = input.quota_cfgs.iter().find(|q| q.name == status.name) else {
@@ -95,19 +93,45 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
                 .flat_map(|s| [Some(*s), other_end.get(&s.skaddr).copied()])
                 .flatten()
                 .collect();
-            let feeders = upstream::owners(&up, quiet);
+            let mut feeders = upstream::owners(&up, quiet, |s| rel.serving(s));
+            // With a port_map, the feeders are the other ends of the quota's own connections:
+            // listed the same way (the summary's "held by" already names them).
+            let mapped =
+                up.hops.is_empty() && qcfg.is_http() && qcfg.socket_port(entry.port) != entry.port;
+            if mapped {
+                let by_map = upstream::mapped(&conns, &other_end);
+                feeders = upstream::owners(&by_map, quiet, |s| rel.serving(s));
+            }
+            // The feeding connections: the hop's when one was followed, else the other ends of
+            // the quota's own (a port_map names the port the feeder dials).
+            let feeding: Vec<&Socket> = if up.hops.is_empty() {
+                conns
+                    .iter()
+                    .filter_map(|s| other_end.get(&s.skaddr).copied())
+                    .collect()
+            } else {
+                up.hops.iter().map(|h| h.origin).collect()
+            };
+            let orphans = OrphanCounts::of(&feeding, |s| rel.serving(s));
             let procs = processes(ends.iter().copied().chain(up.hops.iter().map(|h| h.origin)));
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
             let mut summary = summary(qcfg, &scope, entry, &conns, &idle, &other_end, cfg);
-            if !feeders.is_empty() {
+            if !feeders.is_empty() && !mapped {
                 summary.push_str(&format!("; {}", upstream::describe(&feeders)));
+            } else if let Some(o) = &orphans {
+                summary.push_str(&format!(
+                    "; of {} feeding connections{}",
+                    o.feeding,
+                    super::downstream::counts_text(o.orphaned, o.serving, o.ambiguous)
+                ));
             }
             summary.push_str(&verdict_text(verdict, known_in, cfg.quota_idle_min));
             let mut f = Finding::new(
                 Kind::QuotaExhaustedByLeak,
-                &format!("{}:{}", status.name, entry.port),
+                &format!("{}:{}{}", status.name, entry.port, scope.fingerprint_part()),
                 summary,
             );
+            f.orphans = orphans;
             f.service_port = Some(entry.port);
             f.count = conns.len();
             f.oldest_age_secs = round_secs(oldest);
@@ -144,6 +168,45 @@ pub fn detect(input: &Input<'_>) -> Vec<Finding> {
             out.push(f);
         }
     }
+    out
+}
+
+/// The processes (pid, namespace inode) feeding the saturated entries of quota `qcfg`: the
+/// hop's origins when one is followed, else the other ends of the quota's connections. A
+/// quota-triggered policy may act on their sockets in their namespaces: that is where a leak
+/// through a relay is (the proxy's pod), not the quota's.
+pub fn feeders(
+    qcfg: &QuotaConfig,
+    status: &QuotaStatus,
+    saturation: f64,
+    rel: &Relations<'_>,
+) -> Vec<(u32, u32)> {
+    let table = rel.table();
+    let other_end = rel.ends().by_skaddr(table);
+    let scope = Scope::of(qcfg, table);
+    let mut out: Vec<(u32, u32)> = Vec::new();
+    for entry in &status.entries {
+        if (entry.used as f64) < saturation * entry.limit as f64 {
+            continue;
+        }
+        let conns = connections(qcfg, &scope, entry, table);
+        let up = upstream_of(qcfg, entry, &conns, table, &other_end);
+        let feeding: Vec<&Socket> = if up.hops.is_empty() {
+            conns
+                .iter()
+                .filter_map(|s| other_end.get(&s.skaddr).copied())
+                .collect()
+        } else {
+            up.hops.iter().map(|h| h.origin).collect()
+        };
+        out.extend(
+            feeding
+                .iter()
+                .filter_map(|s| Some((s.pid()?, s.netns.inode))),
+        );
+    }
+    out.sort_unstable();
+    out.dedup();
     out
 }
 
@@ -334,13 +397,14 @@ limit = 4
             }],
             error: None,
         }];
-        detect(&Input {
+        let input = Input {
             table,
             cfg: &cfg,
             quota_cfgs,
             quotas: &quotas,
             storm: &storm,
-        })
+        };
+        detect(&input, &Relations::new(table))
     }
 
     #[test]
@@ -428,13 +492,16 @@ limit = 4
         );
         let cfg = DetectConfig::default();
         let storm = StormTracker::default();
-        let f = detect(&Input {
-            table: &t,
-            cfg: &cfg,
-            quota_cfgs: &cfgs,
-            quotas: &[st],
-            storm: &storm,
-        });
+        let f = detect(
+            &Input {
+                table: &t,
+                cfg: &cfg,
+                quota_cfgs: &cfgs,
+                quotas: &[st],
+                storm: &storm,
+            },
+            &Relations::new(&t),
+        );
         assert_eq!(f[0].verdict, Some(Verdict::Leak));
         assert!(
             f[0].summary

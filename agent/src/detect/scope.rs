@@ -48,6 +48,17 @@ pub fn describe_container(c: &Container) -> String {
 /// What a summary gets appended to name where the problem is: nothing for connreap's own
 /// namespace outside containers, else "; in netns NAME, pod NS/NAME (RUNTIME ID)".
 pub fn summary_part(netns: &Netns, container: Option<&Container>) -> String {
+    let place = place_text(netns, container);
+    if place.is_empty() {
+        String::new()
+    } else {
+        format!("; in {place}")
+    }
+}
+
+/// Where a process runs, for people: "netns NAME, pod NS/NAME (RUNTIME ID)"; empty in
+/// connreap's own namespace outside containers.
+pub fn place_text(netns: &Netns, container: Option<&Container>) -> String {
     let mut parts = Vec::new();
     if !netns.own {
         parts.push(format!("netns {}", netns.label()));
@@ -55,11 +66,7 @@ pub fn summary_part(netns: &Netns, container: Option<&Container>) -> String {
     if let Some(c) = container {
         parts.push(describe_container(c));
     }
-    if parts.is_empty() {
-        String::new()
-    } else {
-        format!("; in {}", parts.join(", "))
-    }
+    parts.join(", ")
 }
 
 /// A finding's container as flat fields, named as snapshot rows name them: `container` (the
@@ -91,6 +98,7 @@ pub(crate) mod testutil {
             inode,
             name: name.map(Box::from),
             own: false,
+            keepalive: None,
         })
     }
 

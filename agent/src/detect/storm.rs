@@ -189,8 +189,7 @@ impl StormTracker {
                 // Not among the scan's namespaces (gone since): named by its inode.
                 Arc::new(Netns {
                     inode,
-                    name: None,
-                    own: false,
+                    ..Netns::default()
                 })
             }),
         };
@@ -237,6 +236,7 @@ impl StormTracker {
                     unit: None,
                     count: rate.round() as usize,
                     container: container.map(|c| c.id.clone()),
+                    ..Default::default()
                 }];
                 f
             })
@@ -404,8 +404,8 @@ mod tests {
         let cfg = DetectConfig::default();
         let host = Arc::new(Netns {
             inode: 40,
-            name: None,
             own: true,
+            ..Netns::default()
         });
         let pod = netns(41, Some("cni-x"));
         let c = Arc::new(container(

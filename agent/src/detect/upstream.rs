@@ -15,6 +15,7 @@ use std::{
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
+use super::downstream::Orphan;
 use crate::table::{Direction, Socket, TcpState};
 
 /// Longest time between a holder accepting a connection and the connection it dials for it
@@ -43,6 +44,9 @@ pub enum MatchedBy {
     /// Every connection on the holder's busiest inbound port (ages only lower bounds, or
     /// dials further than [`MATCH_WINDOW`] from their accepts).
     Port,
+    /// The quota's `port_map` names the port: its connections' other ends.
+    #[serde(rename = "port_map")]
+    PortMap,
 }
 
 #[derive(Debug, Default)]
@@ -89,9 +93,26 @@ pub struct UpstreamOwner {
     /// Of those, how many are idle at both ends (≥ quota_idle_min) or in CLOSE_WAIT.
     pub idle: usize,
     pub matched_by: MatchedBy,
-    /// The full id of the container it runs in, if it runs in one.
+    /// Of `count`, how many are orphaned (the downstream they were dialled for is gone), how
+    /// many still serve a connected downstream, and how many could be either (see
+    /// `downstream`); all 0 when the process is not a relay (it does not listen).
+    pub orphaned: usize,
+    pub serving: usize,
+    pub ambiguous: usize,
+    /// Its network namespace (inode, and name when it has one).
+    pub netns: u32,
+    pub netns_name: Option<String>,
+    /// The full id of the container it runs in, if it runs in one, and its pod.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub container: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_name: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub pod_namespace: Option<String>,
+    /// Where it runs, for people: "netns proxy-pod, pod shop/proxy (docker 0123456789ab)";
+    /// empty in connreap's own namespace outside containers.
+    #[serde(skip)]
+    pub place: String,
 }
 
 /// The hops feeding `dials` (the holder processes' connections to the quota's port):
@@ -161,6 +182,28 @@ pub fn follow<'a>(
     }
 }
 
+/// The quota's own connections (accepted on the port a `port_map` names) as hops from the
+/// processes at their other ends.
+pub fn mapped<'a>(conns: &[&'a Socket], other_end: &FxHashMap<u64, &'a Socket>) -> Upstream<'a> {
+    let hops: Vec<Hop<'a>> = conns
+        .iter()
+        .filter(|s| s.direction == Direction::Inbound)
+        .filter_map(|&s| {
+            let o = other_end.get(&s.skaddr).copied()?;
+            (o.pid().is_some() && o.pid() != s.pid()).then_some(Hop {
+                dial: s,
+                accepted: s,
+                origin: o,
+            })
+        })
+        .collect();
+    Upstream {
+        matched_by: (!hops.is_empty()).then_some(MatchedBy::PortMap),
+        hops,
+        by_dial: FxHashMap::default(),
+    }
+}
+
 /// Each dial (youngest first) takes the youngest unmatched accept of the same holder that is
 /// older, by at most [`MATCH_WINDOW`]: one-to-one, each dial to the accept it was made for
 /// when the holder dials right after accepting. Sockets whose age is only a lower bound take
@@ -197,14 +240,20 @@ fn by_timing<'a>(dials: &[&'a Socket], fed: &[(&'a Socket, &'a Socket)]) -> Vec<
     hops
 }
 
-/// The upstream processes of `up`, most connections first; `idle` tells an idle socket.
-pub fn owners(up: &Upstream<'_>, idle: impl Fn(&Socket) -> bool) -> Vec<UpstreamOwner> {
+/// The upstream processes of `up`, most connections first; `idle` tells an idle socket,
+/// `serving` whether a feeder's connection still serves a downstream of its own.
+pub fn owners(
+    up: &Upstream<'_>,
+    idle: impl Fn(&Socket) -> bool,
+    serving: impl Fn(&Socket) -> Option<Orphan>,
+) -> Vec<UpstreamOwner> {
     let Some(matched_by) = up.matched_by else {
         return Vec::new();
     };
     let mut by: BTreeMap<(Option<u32>, Option<u32>, u16), UpstreamOwner> = BTreeMap::new();
     for h in &up.hops {
         let key = (h.origin.pid(), h.accepted.pid(), h.accepted.local.port());
+        let ct = h.origin.container();
         let o = by.entry(key).or_insert_with(|| UpstreamOwner {
             pid: h.origin.pid(),
             comm: h.origin.comm().to_string(),
@@ -215,11 +264,25 @@ pub fn owners(up: &Upstream<'_>, idle: impl Fn(&Socket) -> bool) -> Vec<Upstream
             count: 0,
             idle: 0,
             matched_by,
-            container: h.origin.container_id().map(String::from),
+            orphaned: 0,
+            serving: 0,
+            ambiguous: 0,
+            netns: h.origin.netns.inode,
+            netns_name: h.origin.netns.name.as_deref().map(String::from),
+            container: ct.map(|c| c.id.clone()),
+            pod_name: ct.and_then(|c| c.pod_name.clone()),
+            pod_namespace: ct.and_then(|c| c.pod_namespace.clone()),
+            place: super::scope::place_text(&h.origin.netns, ct),
         });
         o.count += 1;
         if idle(h.accepted) && idle(h.origin) {
             o.idle += 1;
+        }
+        match serving(h.origin) {
+            Some(Orphan::Orphaned) => o.orphaned += 1,
+            Some(Orphan::Serving) => o.serving += 1,
+            Some(Orphan::Ambiguous) => o.ambiguous += 1,
+            None => {}
         }
     }
     let mut v: Vec<UpstreamOwner> = by.into_values().collect();
@@ -227,24 +290,31 @@ pub fn owners(up: &Upstream<'_>, idle: impl Fn(&Socket) -> bool) -> Vec<Upstream
     v
 }
 
-/// "fed through relay-sim (port 25001) by leaky-proxy pid 12: 64 connections, 64 idle,
-/// matched by timing"
+/// "fed through relay-sim (port 25001) by leaky-proxy pid 12 (netns proxy-pod, pod shop/proxy
+/// (docker 0123456789ab)): 64 connections, 64 idle, 61 orphaned, matched by timing"
 pub fn describe(owners: &[UpstreamOwner]) -> String {
     owners
         .iter()
         .map(|o| {
             format!(
-                "fed through {} (port {}) by {} pid {}: {} connection{}, {} idle, matched by {}",
+                "fed through {} (port {}) by {} pid {}{}: {} connection{}, {} idle{}, matched by {}",
                 o.via_comm,
                 o.via_port,
                 o.comm,
                 o.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
+                if o.place.is_empty() {
+                    String::new()
+                } else {
+                    format!(" ({})", o.place)
+                },
                 o.count,
                 if o.count == 1 { "" } else { "s" },
                 o.idle,
+                super::downstream::counts_text(o.orphaned, o.serving, o.ambiguous),
                 match o.matched_by {
                     MatchedBy::Timing => "timing",
                     MatchedBy::Port => "port",
+                    MatchedBy::PortMap => "port_map",
                 }
             )
         })
@@ -371,13 +441,16 @@ mod tests {
             }],
             error: None,
         }];
-        let mut f = quota::detect(&Input {
-            table,
-            cfg: &cfg,
-            quota_cfgs: &cfgs,
-            quotas: &quotas,
-            storm: &storm,
-        });
+        let mut f = quota::detect(
+            &Input {
+                table,
+                cfg: &cfg,
+                quota_cfgs: &cfgs,
+                quotas: &quotas,
+                storm: &storm,
+            },
+            &crate::detect::Relations::new(table),
+        );
         assert_eq!(f.len(), 1);
         f.remove(0)
     }
@@ -407,7 +480,15 @@ mod tests {
                     count: 64,
                     idle: 64,
                     matched_by: MatchedBy::Timing,
+                    orphaned: 0,
+                    serving: 0,
+                    ambiguous: 0,
+                    netns: 0,
+                    netns_name: None,
                     container: None,
+                    pod_name: None,
+                    pod_namespace: None,
+                    place: String::new(),
                 }],
                 "gap {gap_ms} ms"
             );
@@ -493,7 +574,15 @@ mod tests {
     #[test]
     fn port_map_stays_the_explicit_way() {
         let f = run(&chain(64, 1, 360, 360), true);
-        assert!(f.upstream.is_empty());
+        assert_eq!(f.upstream.len(), 1, "{:?}", f.upstream);
+        assert_eq!(
+            (
+                f.upstream[0].pid,
+                f.upstream[0].count,
+                f.upstream[0].matched_by
+            ),
+            (Some(10), 64, MatchedBy::PortMap)
+        );
         assert_eq!(pids(&f), [(Some(10), "node", 64), (Some(20), "relay", 64)]);
         assert!(!f.summary.contains("fed through"), "{}", f.summary);
     }

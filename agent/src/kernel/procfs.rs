@@ -10,6 +10,22 @@ pub fn ephemeral_ports() -> Option<RangeInclusive<u16>> {
         .and_then(|t| parse_port_range(&t))
 }
 
+/// net.ipv4.tcp_keepalive_{time,intvl,probes} of this network namespace, if readable.
+pub fn keepalive() -> Option<crate::table::Keepalive> {
+    let read = |name: &str| -> Option<u64> {
+        fs::read_to_string(format!("/proc/sys/net/ipv4/tcp_keepalive_{name}"))
+            .ok()?
+            .trim()
+            .parse()
+            .ok()
+    };
+    Some(crate::table::Keepalive {
+        time_secs: read("time")?,
+        intvl_secs: read("intvl")?,
+        probes: read("probes")?,
+    })
+}
+
 /// The contents of `/proc/<pid>/cgroup`; None when the process has gone.
 pub fn cgroup(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()

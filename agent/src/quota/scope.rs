@@ -51,6 +51,17 @@ impl<'a> Scope<'a> {
         }
     }
 
+    /// What a quota finding's fingerprint gets appended for the place the quota names:
+    /// nothing for connreap's own namespace (the fingerprints they always had), else
+    /// `@netns:NAME` or `@container:PREFIX` as configured (stable whatever the table holds).
+    pub fn fingerprint_part(&self) -> String {
+        match self.place {
+            None => String::new(),
+            Some(Place::Netns(n)) => format!("@netns:{n}"),
+            Some(Place::Container(c)) => format!("@container:{c}"),
+        }
+    }
+
     /// Where, for a finding's summary: None for connreap's own namespace (the usual case, said
     /// nothing about), else `in netns blue` / `in the netns of container 3f2a9c (4026532301)`.
     pub fn describe(&self) -> Option<String> {
@@ -79,6 +90,7 @@ pub(crate) fn placed(mut s: Socket, ns: u32, container: Option<&str>) -> Socket 
         inode: ns,
         name: (ns == 2).then(|| "blue".into()),
         own: ns == 1,
+        keepalive: None,
     });
     if let Some(owner) = s.owner.as_mut() {
         let mut o = (**owner).clone();

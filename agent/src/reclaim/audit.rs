@@ -81,7 +81,11 @@ impl AuditLog {
     /// Append `decisions` in one write(2) (a line and its newline in separate writes could be
     /// spliced by another appender or cut by a crash); with `durable`, fsync before returning.
     /// A failed or short write is an error and the caller must not act on these lines.
-    pub fn append(&mut self, decisions: &[Decision], durable: bool) -> Result<(), AuditError> {
+    pub fn append<T: serde::Serialize>(
+        &mut self,
+        decisions: &[T],
+        durable: bool,
+    ) -> Result<(), AuditError> {
         let mut buf = Vec::new();
         for d in decisions {
             serde_json::to_writer(&mut buf, d).map_err(|e| self.error(e.into()))?;

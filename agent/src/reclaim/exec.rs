@@ -15,18 +15,46 @@ use super::{
     decision,
     kill::{kill_all, Destroyer, MechanismError},
     lock::{LockError, ReclaimLock},
-    plan, Decision, Mode, Outcome,
+    plan, spared, Decision, Mode, Outcome, PolicyNote, QuotaReach,
 };
 use crate::{
-    config::{Config, PolicyConfig, PolicyMode},
-    detect::QuotaRef,
+    config::{Config, PolicyConfig, PolicyMode, Trigger},
+    detect::{feeders, QuotaRef, Relations},
     kernel::Kernel,
     quota::QuotaStatus,
+    quota::Scope,
     scan::Scanner,
     table::Socket,
 };
 
 const RECENT: usize = 1000;
+
+/// Where a quota-saturated policy may act this round: its quota's namespace and the feeders'
+/// (see [`QuotaReach`]); None for other policies.
+fn reach<'a>(
+    p: &'a PolicyConfig,
+    cfg: &'a Config,
+    quotas: &[QuotaStatus],
+    rel: &Relations<'_>,
+) -> Option<QuotaReach<'a>> {
+    if p.trigger != Trigger::QuotaSaturated {
+        return None;
+    }
+    let qcfg = cfg.quota.iter().find(|q| Some(&q.name) == p.quota.as_ref());
+    let feeding = match (
+        qcfg,
+        quotas.iter().find(|q| Some(&q.name) == p.quota.as_ref()),
+    ) {
+        (Some(q), Some(st)) if st.error.is_none() => {
+            feeders(q, st, cfg.detect.quota_saturation, rel)
+        }
+        _ => Vec::new(),
+    };
+    Some(QuotaReach {
+        quota: Scope::at(qcfg.and_then(|q| q.place()), rel.table()),
+        feeders: feeding,
+    })
+}
 /// The audit log rotates past this size, keeping AUDIT_KEEP older files.
 const AUDIT_MAX_BYTES: u64 = 64 * 1024 * 1024;
 const AUDIT_KEEP: usize = 5;
@@ -90,6 +118,8 @@ pub struct Reclaimer {
     kills: HashMap<String, VecDeque<(Instant, Asker)>>,
     /// The last audit write error (cleared by the next good write), for /healthz.
     pub audit_error: Option<String>,
+    /// Per policy: the last "selects nothing" reason said (its wording without counts).
+    nothing: HashMap<String, String>,
     rounds: u64,
 }
 
@@ -117,6 +147,7 @@ impl Reclaimer {
             acted_on: HashMap::new(),
             kills: HashMap::new(),
             audit_error: None,
+            nothing: HashMap::new(),
             rounds: 0,
         }
     }
@@ -172,8 +203,10 @@ impl Reclaimer {
                 }
             }
         };
-        let quota_cfg = cfg.quota.iter().find(|q| Some(&q.name) == p.quota.as_ref());
-        let mut planned = plan(p, &cfg.reclaim, std::process::id(), table, quota_cfg);
+        let rel = Relations::new(table);
+        let reach = reach(p, cfg, quotas, &rel);
+        let mut planned = plan(p, &cfg.reclaim, std::process::id(), &rel, reach.as_ref());
+        self.note_nothing(p, &armed, planned.nothing.as_deref());
         let mut decisions: Vec<Decision> = planned
             .skipped
             .iter()
@@ -208,12 +241,47 @@ impl Reclaimer {
                 d.mode = armed.mode.clone();
             }
         }
+        let nothing = planned.nothing.clone();
         let mut res = self.record(p, armed, decisions);
-        res.note = note;
+        res.note = note.or(nothing);
         if audit_error.is_some() {
             res.audit_error = audit_error;
         }
         res
+    }
+
+    /// Say why an armed policy selects nothing, once per change of the reason (its wording
+    /// without the counts): a log line, and for a quota-saturated policy (armed because a quota
+    /// is full: someone expects it to act) an audit line.
+    fn note_nothing(&mut self, p: &PolicyConfig, armed: &Armed, why: Option<&str>) {
+        let Some(why) = why else {
+            self.nothing.remove(&p.name);
+            return;
+        };
+        let shape: String = why.chars().filter(|c| !c.is_ascii_digit()).collect();
+        if self.nothing.get(&p.name) == Some(&shape) {
+            return;
+        }
+        self.nothing.insert(p.name.clone(), shape);
+        if p.trigger != Trigger::QuotaSaturated {
+            tracing::info!(policy = %p.name, reason = %why, "policy selects nothing");
+            return;
+        }
+        tracing::warn!(policy = %p.name, quota = p.quota.as_deref().unwrap_or(""), reason = %why,
+            "policy armed by its quota selects nothing");
+        let line = PolicyNote {
+            time: Utc::now(),
+            policy: p.name.clone(),
+            mode: armed.mode.clone(),
+            result: "nothing-selected",
+            reason: why.to_string(),
+            quota: armed.quota.clone(),
+            agent_pid: std::process::id(),
+            round: armed.round,
+        };
+        if let Err(e) = self.audit.append(&[line], false) {
+            tracing::error!(error = %e, "cannot append to the audit log");
+        }
     }
 
     /// Whether the policy acts this round, and in which mode; Err: the mode and why it does
@@ -323,8 +391,35 @@ impl Reclaimer {
         };
         let now: HashMap<(u64, u64), &Socket> =
             fresh.iter().map(|s| ((s.skaddr, s.inode), s)).collect();
+        // A downstream may have connected since the plan: re-judged on the fresh table.
+        let fresh_rel = Relations::new(&fresh);
+        let respared: Vec<Option<String>> = targets
+            .iter()
+            .map(|t| {
+                let f = now.get(&(t.skaddr, t.inode))?;
+                spared(p, &fresh_rel, f).map(|why| format!("at the re-check: {why}"))
+            })
+            .collect();
+        let to_kill: Vec<&Socket> = targets
+            .iter()
+            .zip(&respared)
+            .filter(|(_, why)| why.is_none())
+            .map(|(s, _)| *s)
+            .collect();
         let mechanism = destroyer.name();
-        let outcomes = kill_all(p, destroyer, targets, &now, &scanner.namespaces);
+        let mut killed_outcomes =
+            kill_all(p, destroyer, &to_kill, &now, &scanner.namespaces).into_iter();
+        let outcomes: Vec<_> = respared
+            .into_iter()
+            .map(|why| match why {
+                Some(why) => (Outcome::Skipped, Some(why), None),
+                None => killed_outcomes.next().unwrap_or((
+                    Outcome::Failed,
+                    Some("not attempted".into()),
+                    None,
+                )),
+            })
+            .collect();
         let decisions: Vec<Decision> = targets
             .iter()
             .zip(outcomes)

@@ -3,8 +3,13 @@
 //!
 //! Namespaces: a policy whose `select` names no `netns`/`container` applies in every network
 //! namespace; one that names one applies only there. A quota-saturated policy moreover only
-//! ever takes sockets of its quota's namespace (whatever its selector says): the quota was
-//! read there. `protect_ports` apply in every namespace.
+//! takes sockets of its quota's namespace and, of each process feeding the quota, that
+//! process's sockets in its own namespace (whatever its selector says). `protect_ports` apply
+//! in every namespace.
+//!
+//! Downstreams: a relaying process's upstream that may still serve a connected downstream (see
+//! `detect::downstream`) is never taken unless the policy says `include_serving = true`;
+//! orphaned ones go first.
 pub mod audit;
 pub mod exec;
 pub mod kill;
@@ -14,8 +19,8 @@ use chrono::{DateTime, Utc};
 use serde::Serialize;
 
 use crate::{
-    config::{PolicyConfig, PolicyMode, QuotaConfig, ReclaimConfig, Selector, Trigger},
-    detect::QuotaRef,
+    config::{PolicyConfig, PolicyMode, ReclaimConfig, Selector, Trigger},
+    detect::{Orphan, QuotaRef, Relations},
     quota::{QuotaStatus, Scope},
     table::{canon, Socket, TcpState},
 };
@@ -121,38 +126,172 @@ pub fn armed(
         .ok_or_else(|| format!("quota {name} below saturation"))
 }
 
-/// The sockets to act on this round (oldest first, at most max_per_round) and the selected
-/// ones that must be skipped, with why.
+/// The sockets to act on this round (orphaned first, then oldest first, at most
+/// max_per_round), the selected ones that must be skipped, with why, and, when there are no
+/// targets, why the policy selects nothing.
 pub struct Plan<'a> {
     pub targets: Vec<&'a Socket>,
     pub skipped: Vec<(&'a Socket, String)>,
+    pub nothing: Option<String>,
 }
 
-/// `quota` is the policy's quota (when it names one): a quota-saturated policy plans only in
-/// that quota's namespace (connreap's own if the quota names none).
+/// Where a quota-saturated policy may act: its quota's namespace (connreap's own if the quota
+/// names none) and, for each process feeding that quota, that process's sockets in its own
+/// namespace (the proxy's pod, when the leak runs through a relay).
+pub struct QuotaReach<'a> {
+    pub quota: Scope<'a>,
+    /// (pid, namespace inode) of the feeding processes (see `detect::feeders`).
+    pub feeders: Vec<(u32, u32)>,
+}
+
+impl QuotaReach<'_> {
+    fn contains(&self, s: &Socket) -> bool {
+        self.quota.contains(s)
+            || s.pid()
+                .is_some_and(|p| self.feeders.binary_search(&(p, s.netns.inode)).is_ok())
+    }
+
+    fn describe(&self) -> String {
+        let q = self
+            .quota
+            .describe()
+            .unwrap_or_else(|| "in connreap's own namespace".into());
+        if self.feeders.is_empty() {
+            format!("the quota's sockets ({q}; no process feeds it through a relay)")
+        } else {
+            let pids: Vec<String> = self.feeders.iter().map(|(p, _)| p.to_string()).collect();
+            format!(
+                "the quota's sockets ({q}) and its feeders' (pid {})",
+                pids.join(", ")
+            )
+        }
+    }
+}
+
+/// Whether the downstream rule spares `s`: it may still serve a connected downstream (see
+/// `detect::downstream`), and the policy does not say `include_serving = true`.
+pub(super) fn spared(p: &PolicyConfig, rel: &Relations<'_>, s: &Socket) -> Option<String> {
+    if p.include_serving {
+        return None;
+    }
+    match rel.serving(s)? {
+        Orphan::Orphaned => None,
+        Orphan::Serving => {
+            Some("serves a connected downstream (include_serving = true to take it anyway)".into())
+        }
+        Orphan::Ambiguous => Some(
+            "may serve a connected downstream: which of its process's upstreams are orphaned is \
+             ambiguous (include_serving = true to take it anyway)"
+                .into(),
+        ),
+    }
+}
+
+/// `reach`: for a quota-saturated policy, where it may act (see [`QuotaReach`]).
 pub fn plan<'a>(
     p: &PolicyConfig,
     rc: &ReclaimConfig,
     own_pid: u32,
-    table: &'a [Socket],
-    quota: Option<&QuotaConfig>,
+    rel: &Relations<'a>,
+    reach: Option<&QuotaReach<'_>>,
 ) -> Plan<'a> {
-    let scope = (p.trigger == Trigger::QuotaSaturated)
-        .then(|| Scope::at(quota.and_then(QuotaConfig::place), table));
+    let table = rel.table();
     let mut targets = Vec::new();
     let mut skipped = Vec::new();
-    for s in table.iter().filter(|s| {
-        selected(&p.select, s) && old_enough(p, s) && scope.as_ref().is_none_or(|q| q.contains(s))
-    }) {
-        match protected(rc, own_pid, s) {
-            Some(why) => skipped.push((s, why)),
-            None => targets.push(s),
+    // Why sockets the selector matches are not taken, counted for the "selects nothing" note.
+    let (mut matched, mut out_of_reach, mut too_young, mut live) = (0usize, 0usize, 0usize, 0usize);
+    for s in table.iter().filter(|s| selected(&p.select, s)) {
+        matched += 1;
+        if reach.is_some_and(|r| !r.contains(s)) {
+            out_of_reach += 1;
+            continue;
         }
+        if !old_enough(p, s) {
+            too_young += 1;
+            continue;
+        }
+        if let Some(why) = protected(rc, own_pid, s) {
+            skipped.push((s, why));
+            continue;
+        }
+        if let Some(why) = spared(p, rel, s) {
+            live += 1;
+            skipped.push((s, why));
+            continue;
+        }
+        targets.push(s);
     }
-    // Oldest first: time in state, then idle time.
-    targets.sort_by(|a, b| b.age.cmp(&a.age).then(b.idle.cmp(&a.idle)));
+    // Orphaned connections first (their downstream is gone), then the oldest: time in state,
+    // then idle time.
+    let orphan = |s: &Socket| rel.serving(s) != Some(Orphan::Orphaned);
+    targets.sort_by(|a, b| {
+        orphan(a)
+            .cmp(&orphan(b))
+            .then(b.age.cmp(&a.age))
+            .then(b.idle.cmp(&a.idle))
+    });
     targets.truncate(p.max_per_round);
-    Plan { targets, skipped }
+    let nothing = targets.is_empty().then(|| {
+        nothing_selected(
+            p,
+            reach,
+            matched,
+            out_of_reach,
+            too_young,
+            live,
+            skipped.len(),
+        )
+    });
+    Plan {
+        targets,
+        skipped,
+        nothing,
+    }
+}
+
+/// Why a policy selects nothing, from the counts of [`plan`].
+fn nothing_selected(
+    p: &PolicyConfig,
+    reach: Option<&QuotaReach<'_>>,
+    matched: usize,
+    out_of_reach: usize,
+    too_young: usize,
+    live: usize,
+    skipped: usize,
+) -> String {
+    if matched == 0 {
+        return "no socket matches its select".into();
+    }
+    let mut parts = vec![format!(
+        "{matched} socket{} match{} its select",
+        if matched == 1 { "" } else { "s" },
+        if matched == 1 { "es" } else { "" }
+    )];
+    if out_of_reach > 0 {
+        let reach = reach.map(QuotaReach::describe).unwrap_or_default();
+        parts.push(format!(
+            "{out_of_reach} outside where a quota-saturated policy acts: {reach}"
+        ));
+    }
+    if too_young > 0 {
+        let mut t = Vec::new();
+        if let Some(m) = p.min_idle {
+            t.push(format!("min_idle {}", humantime::format_duration(m)));
+        }
+        if let Some(m) = p.min_age {
+            t.push(format!("min_age {}", humantime::format_duration(m)));
+        }
+        parts.push(format!("{too_young} not yet past {}", t.join(" / ")));
+    }
+    if live > 0 {
+        parts.push(format!(
+            "{live} spared: they may serve a connected downstream"
+        ));
+    }
+    if skipped > live {
+        parts.push(format!("{} protected", skipped - live));
+    }
+    parts.join("; ")
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
@@ -256,6 +395,21 @@ pub fn decision(
         agent_pid: std::process::id(),
         round,
     }
+}
+
+/// An audit line for an armed quota-saturated policy that selects nothing (written when the
+/// reason changes): `result` is `nothing-selected`, `reason` says why.
+#[derive(Debug, Clone, Serialize)]
+pub struct PolicyNote {
+    #[serde(serialize_with = "crate::present::ser_rfc3339")]
+    pub time: DateTime<Utc>,
+    pub policy: String,
+    pub mode: Mode,
+    pub result: &'static str,
+    pub reason: String,
+    pub quota: Option<QuotaRef>,
+    pub agent_pid: u32,
+    pub round: u64,
 }
 
 /// The mode a round runs in: the policy's own, or dry-run and why.

@@ -2,7 +2,143 @@
 use std::time::Duration;
 
 use super::*;
-use crate::{config::parse, detect::testutil::sock, quota::QuotaEntry};
+use crate::{
+    config::{parse, QuotaConfig},
+    detect::testutil::sock,
+    quota::QuotaEntry,
+    table::Direction,
+};
+
+/// [`plan`] with the table's relations and, for a quota-saturated policy, the reach of quota
+/// `q` (no feeders).
+fn plan_of<'a>(
+    p: &PolicyConfig,
+    rc: &ReclaimConfig,
+    pid: u32,
+    t: &'a [Socket],
+    q: Option<&QuotaConfig>,
+) -> Plan<'a> {
+    let rel = Relations::new(t);
+    let reach = (p.trigger == Trigger::QuotaSaturated).then(|| QuotaReach {
+        quota: Scope::at(q.and_then(QuotaConfig::place), t),
+        feeders: Vec::new(),
+    });
+    plan(p, rc, pid, &rel, reach.as_ref())
+}
+
+/// The relay incident's proxy (pid 10, listening on 8080): users that stay (accepted at the
+/// ages given, still connected) and upstreams to the relay on 25001 dialled 5 ms after each
+/// user's accept, for the users who stay and for `left` users who left (ages given).
+fn proxy(stay: &[u64], left: &[u64]) -> Vec<Socket> {
+    let mut t = vec![sock(
+        10,
+        "node",
+        "0.0.0.0:8080",
+        "0.0.0.0:0",
+        TcpState::Listen,
+    )];
+    t[0].direction = Direction::Listen;
+    let mut port = 40000u16;
+    for (&age, stays) in stay
+        .iter()
+        .map(|a| (a, true))
+        .chain(left.iter().map(|a| (a, false)))
+    {
+        port += 1;
+        if stays {
+            let mut d = sock(
+                10,
+                "node",
+                "10.0.0.2:8080",
+                &format!("10.0.0.1:{port}"),
+                TcpState::Established,
+            );
+            d.direction = Direction::Inbound;
+            d.age = Duration::from_secs(age);
+            d.set_last_io(Some(Duration::from_secs(age)), Some(Duration::ZERO));
+            t.push(d);
+        }
+        let mut u = sock(
+            10,
+            "node",
+            &format!("10.0.0.2:{port}"),
+            "10.0.0.3:25001",
+            TcpState::Established,
+        );
+        u.direction = Direction::Outbound;
+        u.age = Duration::from_secs(age) - Duration::from_millis(5);
+        u.set_last_io(Some(u.age), Some(u.age));
+        t.push(u);
+    }
+    t
+}
+
+/// The README's relay policy takes the upstreams of users who left, orphaned first, and never
+/// the oldest ones that still serve users on a quiet page (incident 1's own regression);
+/// `include_serving = true` takes those too, after the orphaned ones.
+#[test]
+fn orphaned_upstreams_go_first_and_live_users_keep_theirs() {
+    let (p, rc) = policy("trigger = \"always\"\nselect = { comm = \"node\", peer_port = 25001, states = [\"ESTABLISHED\"] }\nmin_idle = \"10s\"\nmax_per_round = 8\n");
+    let t = proxy(&[600, 590], &[300, 299, 298]);
+    let pl = plan_of(&p, &rc, 999, &t, None);
+    let ports: Vec<u16> = pl.targets.iter().map(|s| s.local.port()).collect();
+    assert_eq!(
+        ports,
+        [40003, 40004, 40005],
+        "only the orphaned, oldest first"
+    );
+    assert_eq!(pl.skipped.len(), 2);
+    assert!(
+        pl.skipped
+            .iter()
+            .all(|(s, why)| s.age >= Duration::from_secs(589)
+                && why.contains("serves a connected downstream")),
+        "{:?}",
+        pl.skipped.iter().map(|(_, w)| w).collect::<Vec<_>>()
+    );
+    let (p, rc) = policy("trigger = \"always\"\nselect = { comm = \"node\", peer_port = 25001 }\ninclude_serving = true\n");
+    let pl = plan_of(&p, &rc, 999, &t, None);
+    let ports: Vec<u16> = pl.targets.iter().map(|s| s.local.port()).collect();
+    assert_eq!(ports, [40003, 40004, 40005, 40001, 40002]);
+    // Only users still connected: nothing selected, and the plan says why.
+    let t = proxy(&[600, 590], &[]);
+    let (p, rc) = policy("trigger = \"always\"\nselect = { comm = \"node\", peer_port = 25001 }\nmin_idle = \"10s\"\n");
+    let pl = plan_of(&p, &rc, 999, &t, None);
+    assert!(pl.targets.is_empty());
+    assert_eq!(
+        pl.nothing.as_deref(),
+        Some("2 sockets match its select; 2 spared: they may serve a connected downstream")
+    );
+}
+
+/// A quota-saturated policy reaches the processes feeding its quota in their own namespace
+/// (the proxy's pod), not other processes there; and says so when it selects nothing.
+#[test]
+fn a_quota_policy_reaches_its_feeders_namespace() {
+    let (p, rc) =
+        policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\", peer_port = 25001 }\n");
+    let mut t = in_ns(2, None, 3);
+    t.extend(in_ns(1, None, 2));
+    let rel = Relations::new(&t);
+    let quota = |feeders| QuotaReach {
+        quota: Scope::at(None, &t),
+        feeders,
+    };
+    let none = plan(&p, &rc, 999, &rel, Some(&quota(vec![])));
+    assert_eq!(namespaces(&none.targets), vec![1]);
+    let pid = t[0].pid().unwrap();
+    let fed = plan(&p, &rc, 999, &rel, Some(&quota(vec![(pid, 2)])));
+    assert_eq!(namespaces(&fed.targets), vec![1, 2]);
+    let (p2, _) =
+        policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\", netns = \"blue\" }\n");
+    let why = plan(&p2, &rc, 999, &rel, Some(&quota(vec![])))
+        .nothing
+        .unwrap();
+    assert!(
+        why.starts_with("3 sockets match its select; 3 outside where a quota-saturated policy acts: the quota's sockets (in connreap's own namespace; no process feeds it through a relay)"),
+        "{why}"
+    );
+}
 
 fn policy(extra: &str) -> (PolicyConfig, ReclaimConfig) {
     let text = format!(
@@ -53,7 +189,7 @@ fn oldest_first_capped_and_thresholded() {
         "127.0.0.1:25001",
         TcpState::Established,
     ));
-    let plan = plan(&p, &rc, 999, &t, None);
+    let plan = plan_of(&p, &rc, 999, &t, None);
     assert_eq!(plan.targets.len(), 8);
     let ports: Vec<u16> = plan.targets.iter().map(|s| s.local.port()).collect();
     assert_eq!(ports, (40011..=40018).rev().collect::<Vec<_>>());
@@ -70,12 +206,12 @@ fn protected_listen_and_own_sockets_are_skipped() {
         "127.0.0.1:22",
         TcpState::Established,
     )];
-    let pl = plan(&p, &rc, 999, &t, None);
+    let pl = plan_of(&p, &rc, 999, &t, None);
     assert!(pl.targets.is_empty());
     assert!(pl.skipped[0].1.contains("protect_ports"));
     let (p, rc) = policy("trigger = \"always\"\nselect = { peer_port = 25001 }\n");
     let t = node_socks(1);
-    let pl = plan(&p, &rc, 10, &t, None);
+    let pl = plan_of(&p, &rc, 10, &t, None);
     assert_eq!(pl.skipped[0].1, "connreap's own socket");
 }
 
@@ -157,7 +293,7 @@ fn netns_and_container_selectors_filter_targets() {
     t.extend(in_ns(3, Some(&b), 2));
     let pick = |select: &str| {
         let (p, rc) = policy(&format!("trigger = \"always\"\nselect = {{ {select} }}\n"));
-        namespaces(&plan(&p, &rc, 999, &t, None).targets)
+        namespaces(&plan_of(&p, &rc, 999, &t, None).targets)
     };
     // No namespace selector: every namespace.
     assert_eq!(pick("comm = \"node\""), vec![1, 2, 3]);
@@ -199,7 +335,7 @@ fn a_quota_policy_targets_only_its_quotas_namespace() {
         .unwrap();
         q.quota.remove(0)
     };
-    let pick = |q: Option<&QuotaConfig>| namespaces(&plan(&p, &rc, 999, &t, q).targets);
+    let pick = |q: Option<&QuotaConfig>| namespaces(&plan_of(&p, &rc, 999, &t, q).targets);
     assert_eq!(
         pick(Some(&quota(""))),
         vec![1],
@@ -211,12 +347,12 @@ fn a_quota_policy_targets_only_its_quotas_namespace() {
     // Its selector narrows further; it never widens past the quota's namespace.
     let (p2, _) =
         policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\", netns = \"host\" }\n");
-    assert!(plan(&p2, &rc, 999, &t, Some(&quota("netns = \"blue\"")))
+    assert!(plan_of(&p2, &rc, 999, &t, Some(&quota("netns = \"blue\"")))
         .targets
         .is_empty());
     // An "always" policy naming a quota is not scoped by it.
     let (p3, _) = policy("trigger = \"always\"\nselect = { comm = \"node\" }\n");
-    let all = plan(&p3, &rc, 999, &t, Some(&quota("netns = \"blue\"")));
+    let all = plan_of(&p3, &rc, 999, &t, Some(&quota("netns = \"blue\"")));
     assert_eq!(namespaces(&all.targets), vec![1, 2, 4]);
 }
 
@@ -234,7 +370,7 @@ fn protect_ports_apply_in_every_namespace() {
         crate::quota::placed(s, ns, Some(&"ab".repeat(32)))
     };
     let t = vec![ssh(1), ssh(2), ssh(3)];
-    let pl = plan(&p, &rc, 999, &t, None);
+    let pl = plan_of(&p, &rc, 999, &t, None);
     assert!(pl.targets.is_empty());
     assert_eq!(pl.skipped.len(), 3);
     assert!(pl
@@ -311,6 +447,6 @@ fn unowned_sockets_need_unowned_and_a_port() {
     // And a policy that reads `comm = "?"` plans nothing on it.
     let (p, rc) = policy("trigger = \"always\"\nselect = { comm = \"?\" }\n");
     let t = vec![s.clone()];
-    let pl = plan(&p, &rc, 999, &t, None);
+    let pl = plan_of(&p, &rc, 999, &t, None);
     assert!(pl.targets.is_empty() && pl.skipped.is_empty());
 }

@@ -22,6 +22,8 @@ use connreap_ebpf::{sock_flags, SockRecord};
 pub struct Walked {
     /// Its ephemeral port range, read inside it (None: unreadable, the host's is used).
     pub ephemeral: Option<RangeInclusive<u16>>,
+    /// Its keepalive sysctls, read inside it.
+    pub keepalive: Option<crate::table::Keepalive>,
     /// When that walk's scan began (CLOCK_MONOTONIC ns).
     pub at_ns: u64,
     /// Its sockets no process held then.

@@ -3,10 +3,8 @@
 //!
 //! Its comm is `connreap-testpe` (the kernel keeps 15 characters).
 use std::{
-    fs::File,
     io::{Read, Write},
     net::{Ipv6Addr, SocketAddr, TcpListener, TcpStream},
-    os::{fd::AsRawFd, unix::fs::MetadataExt},
     process::ExitCode,
     thread,
     time::{Duration, Instant},
@@ -16,16 +14,12 @@ use socket2::{Domain, Socket, Type};
 
 const USAGE: &str = "\
 usage: connreap-testpeer close-wait --addr IP:PORT --count N
-       connreap-testpeer hidden --netns PATH --addr IP:PORT --count N
        connreap-testpeer listen --addr IP:PORT [--chatty-ms M] [--close-after-ms M] [--keepalive]
-       connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M]
+       connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M] [--keepalive]
        connreap-testpeer storm --addr IP:PORT [--start-rate R] [--max-rate R] [--duration-ms D]
                          [--thread-name NAME]
 
 close-wait  listen on ADDR, connect N clients, close the accepted side: N clients in CLOSE_WAIT
-hidden      close-wait inside the network namespace PATH refers to (/run/netns/NAME), then go
-            back to the namespace it started in, holding the sockets; `ready` adds
-            netns=INODE (delete the name after: only the sockets keep the namespace alive)
 listen      accept and hold every connection on ADDR
 connect     hold N connections to ADDR
 storm       connect and close at once, in a loop: START-RATE connections/s (default 20),
@@ -35,7 +29,13 @@ storm       connect and close at once, in a loop: START-RATE connections/s (defa
 --chatty-ms write one byte every M ms on each connection and read whatever arrives
 --close-after-ms  (listen) close each accepted connection M ms after accepting it, like a
             server's keep-alive timeout (0: at once)
---keepalive (listen) turn TCP keepalive on (SO_KEEPALIVE) for each accepted connection
+--keepalive (listen) turn TCP keepalive on (SO_KEEPALIVE) for each accepted connection;
+            (connect) for each connection, before it connects
+--netns-file PATH  (close-wait, listen, connect) make the sockets inside the network
+            namespace PATH (`/run/netns/NAME`, `/proc/PID/ns/net`): setns(2) into it, make
+            them, setns(2) back to the namespace the process started in, then print `ready`
+            (with `netns=INODE` of PATH's namespace and `home=INODE` of its own) and hold them
+            from there
 
 IPv6 addresses go in brackets ([::1]:7000). A v4-mapped address ([::ffff:127.0.0.1]:7000)
 listens dual-stack on [::]:PORT and connects from AF_INET6 sockets, like a JVM.
@@ -43,13 +43,12 @@ Prints `ready ...` once the sockets exist, then sleeps until killed.";
 
 struct Args {
     mode: String,
-    /// (hidden) the namespace to make the sockets in.
-    netns: Option<String>,
     addr: SocketAddr,
     count: usize,
     chatty: Option<Duration>,
     close_after: Option<Duration>,
     keepalive: bool,
+    netns_file: Option<std::path::PathBuf>,
     storm: StormArgs,
 }
 
@@ -64,11 +63,10 @@ struct StormArgs {
 
 fn parse_args(argv: &[String]) -> Result<Args, String> {
     let mode = argv.first().ok_or("missing subcommand")?.clone();
-    if !["close-wait", "hidden", "listen", "connect", "storm"].contains(&mode.as_str()) {
+    if !["close-wait", "listen", "connect", "storm"].contains(&mode.as_str()) {
         return Err(format!("unknown subcommand `{mode}`"));
     }
     let (mut addr, mut count, mut chatty, mut close_after) = (None, None, None, None);
-    let mut netns = None;
     let mut storm = StormArgs {
         start_rate: 20,
         max_rate: 320,
@@ -77,6 +75,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
     };
     let mut storm_flags = false;
     let mut keepalive = false;
+    let mut netns_file = None;
     let mut rest = argv[1..].iter();
     while let Some(flag) = rest.next() {
         if flag == "--keepalive" {
@@ -87,7 +86,6 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         let bad = |e: &dyn std::fmt::Display| format!("invalid {flag} `{value}`: {e}");
         match flag.as_str() {
             "--addr" => addr = Some(value.parse::<SocketAddr>().map_err(|e| bad(&e))?),
-            "--netns" => netns = Some(value.clone()),
             "--count" => count = Some(value.parse::<usize>().map_err(|e| bad(&e))?),
             "--chatty-ms" => {
                 let ms = value.parse::<u64>().map_err(|e| bad(&e))?;
@@ -100,6 +98,7 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
                 let ms = value.parse::<u64>().map_err(|e| bad(&e))?;
                 close_after = Some(Duration::from_millis(ms));
             }
+            "--netns-file" => netns_file = Some(std::path::PathBuf::from(value)),
             "--thread-name" => {
                 storm.thread_name = Some(value.clone());
                 storm_flags = true;
@@ -126,11 +125,8 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         (_, Some(n)) if n > 0 => n,
         (_, _) => return Err(format!("{mode} needs --count N (N >= 1)")),
     };
-    if (mode == "close-wait" || mode == "hidden") && chatty.is_some() {
-        return Err(format!("{mode} takes no --chatty-ms"));
-    }
-    if (mode == "hidden") != netns.is_some() {
-        return Err("hidden needs --netns PATH, and only hidden takes it".into());
+    if mode == "close-wait" && chatty.is_some() {
+        return Err("close-wait takes no --chatty-ms".into());
     }
     if mode == "storm" && chatty.is_some() {
         return Err("storm takes no --chatty-ms".into());
@@ -138,8 +134,11 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
     if mode != "listen" && close_after.is_some() {
         return Err("only listen takes --close-after-ms".into());
     }
-    if mode != "listen" && keepalive {
-        return Err("only listen takes --keepalive".into());
+    if !["listen", "connect"].contains(&mode.as_str()) && keepalive {
+        return Err("only listen and connect take --keepalive".into());
+    }
+    if mode == "storm" && netns_file.is_some() {
+        return Err("storm takes no --netns-file".into());
     }
     if mode != "storm" && storm_flags {
         return Err(
@@ -151,12 +150,12 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
     }
     Ok(Args {
         mode,
-        netns,
         addr,
         count,
         chatty,
         close_after,
         keepalive,
+        netns_file,
         storm,
     })
 }
@@ -193,6 +192,74 @@ fn dial_addr(addr: SocketAddr, listener: &TcpListener) -> Result<SocketAddr, Str
 
 fn connect(addr: SocketAddr) -> Result<TcpStream, String> {
     TcpStream::connect(addr).map_err(|e| format!("cannot connect to {addr}: {e}"))
+}
+
+/// [`connect`], with TCP keepalive turned on before the handshake when `keepalive`.
+fn connect_with(addr: SocketAddr, keepalive: bool) -> Result<TcpStream, String> {
+    if !keepalive {
+        return connect(addr);
+    }
+    let fail = |e: std::io::Error| format!("cannot connect to {addr}: {e}");
+    let sock = Socket::new(Domain::for_address(addr), Type::STREAM, None).map_err(fail)?;
+    sock.set_keepalive(true).map_err(fail)?;
+    sock.connect(&addr.into()).map_err(fail)?;
+    Ok(sock.into())
+}
+
+/// Where `--netns-file` took the process: back to `home` (its own namespace) once the
+/// sockets exist.
+struct Away {
+    home: std::fs::File,
+    /// Inodes of the namespace entered and of the process's own.
+    there: u64,
+    home_inode: u64,
+}
+
+fn setns(f: &std::fs::File, what: &str) -> Result<(), String> {
+    use std::os::fd::AsRawFd;
+    // SAFETY: setns(2) on an open namespace fd; it changes only the calling thread's network
+    // namespace, and sockets keep the namespace they were made in.
+    if unsafe { libc::setns(f.as_raw_fd(), libc::CLONE_NEWNET) } == 0 {
+        Ok(())
+    } else {
+        Err(format!(
+            "setns({what}): {}",
+            std::io::Error::last_os_error()
+        ))
+    }
+}
+
+/// Enters the namespace at `path` (when given), remembering the way back.
+fn go_away(path: Option<&std::path::Path>) -> Result<Option<Away>, String> {
+    use std::os::unix::fs::MetadataExt;
+    let Some(path) = path else { return Ok(None) };
+    let own = "/proc/thread-self/ns/net";
+    let home = std::fs::File::open(own).map_err(|e| format!("open {own}: {e}"))?;
+    let target = std::fs::File::open(path).map_err(|e| format!("open {}: {e}", path.display()))?;
+    let ino = |f: &std::fs::File, what: &str| {
+        f.metadata()
+            .map(|m| m.ino())
+            .map_err(|e| format!("fstat {what}: {e}"))
+    };
+    let away = Away {
+        there: ino(&target, &path.display().to_string())?,
+        home_inode: ino(&home, own)?,
+        home,
+    };
+    setns(&target, &path.display().to_string())?;
+    Ok(Some(away))
+}
+
+/// Back home (when away); the `ready` fields saying where the sockets are.
+fn come_back(away: Option<Away>) -> Result<Vec<(&'static str, String)>, String> {
+    let Some(away) = away else {
+        return Ok(Vec::new());
+    };
+    setns(&away.home, "the process's own namespace")?;
+    Ok(vec![
+        ("netns", away.there.to_string()),
+        ("home", away.home_inode.to_string()),
+    ])
 }
 
 /// Keep `conn` open forever; when chatty, write a byte every `every` and read what arrives.
@@ -241,56 +308,7 @@ fn local_addrs(conns: &[TcpStream]) -> String {
 }
 
 fn close_wait(args: &Args) -> Result<(), String> {
-    let (listener, clients, port) = make_close_wait(args)?;
-    ready(&[
-        ("port", port.to_string()),
-        ("count", clients.len().to_string()),
-        ("locals", local_addrs(&clients)),
-    ]);
-    sleep_forever((listener, clients))
-}
-
-/// `setns(fd, CLONE_NEWNET)` for the calling thread.
-fn enter(fd: &File, what: &str) -> Result<(), String> {
-    // SAFETY: setns on an open namespace fd changes only the calling thread's namespace.
-    if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(format!(
-            "cannot enter {what}: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
-}
-
-/// close-wait's sockets made inside the namespace at `--netns`, held from the namespace this
-/// process started in (the main thread enters and comes back; no other thread runs yet).
-fn hidden(args: &Args) -> Result<(), String> {
-    let path = args.netns.as_deref().unwrap_or_default();
-    let home = File::open("/proc/thread-self/ns/net")
-        .map_err(|e| format!("cannot open the own network namespace: {e}"))?;
-    let (inode, made) = {
-        let there = File::open(path).map_err(|e| format!("cannot open {path}: {e}"))?;
-        let inode = there
-            .metadata()
-            .map_err(|e| format!("cannot stat {path}: {e}"))?
-            .ino();
-        enter(&there, path)?;
-        (inode, make_close_wait(args))
-    };
-    enter(&home, "the own network namespace again")?;
-    let (listener, clients, port) = made?;
-    ready(&[
-        ("port", port.to_string()),
-        ("count", clients.len().to_string()),
-        ("locals", local_addrs(&clients)),
-        ("netns", inode.to_string()),
-    ]);
-    sleep_forever((listener, clients))
-}
-
-/// A listener on `args.addr` and `args.count` clients of it in CLOSE_WAIT (the accepted side
-/// closed); and the port.
-fn make_close_wait(args: &Args) -> Result<(TcpListener, Vec<TcpStream>, u16), String> {
+    let away = go_away(args.netns_file.as_deref())?;
     let listener = listen(args.addr)?;
     let target = dial_addr(args.addr, &listener)?;
     let clients = (0..args.count)
@@ -310,13 +328,23 @@ fn make_close_wait(args: &Args) -> Result<(TcpListener, Vec<TcpStream>, u16), St
             Err(e) => return Err(format!("waiting for the FIN: {e}")),
         }
     }
-    Ok((listener, clients, target.port()))
+    let mut fields = vec![
+        ("port", target.port().to_string()),
+        ("count", clients.len().to_string()),
+        ("locals", local_addrs(&clients)),
+    ];
+    fields.extend(come_back(away)?);
+    ready(&fields);
+    sleep_forever((listener, clients))
 }
 
 fn listen_and_hold(args: &Args) -> Result<(), String> {
+    let away = go_away(args.netns_file.as_deref())?;
     let listener = listen(args.addr)?;
     let port = dial_addr(args.addr, &listener)?.port();
-    ready(&[("port", port.to_string())]);
+    let mut fields = vec![("port", port.to_string())];
+    fields.extend(come_back(away)?);
+    ready(&fields);
     loop {
         let accepted = listener.accept().and_then(|(conn, peer)| {
             if args.keepalive {
@@ -346,14 +374,17 @@ fn listen_and_hold(args: &Args) -> Result<(), String> {
 }
 
 fn connect_and_hold(args: &Args) -> Result<(), String> {
+    let away = go_away(args.netns_file.as_deref())?;
     let clients = (0..args.count)
-        .map(|_| connect(args.addr))
+        .map(|_| connect_with(args.addr, args.keepalive))
         .collect::<Result<Vec<_>, _>>()?;
-    ready(&[
+    let mut fields = vec![
         ("port", args.addr.port().to_string()),
         ("count", clients.len().to_string()),
         ("locals", local_addrs(&clients)),
-    ]);
+    ];
+    fields.extend(come_back(away)?);
+    ready(&fields);
     for c in clients {
         hold(c, args.chatty);
     }
@@ -438,7 +469,6 @@ fn main() -> ExitCode {
     };
     let result = match args.mode.as_str() {
         "close-wait" => close_wait(&args),
-        "hidden" => hidden(&args),
         "listen" => listen_and_hold(&args),
         "storm" => storm(&args),
         _ => connect_and_hold(&args),

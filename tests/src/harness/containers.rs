@@ -1,5 +1,6 @@
-//! Processes placed in cgroups named like containers' (Docker, containerd under Kubernetes,
-//! podman), the way connreap attributes sockets to containers: by the owner's cgroup path.
+//! Processes placed in cgroups named like containers' (Docker, containerd and CRI-O under
+//! Kubernetes, podman), the way connreap attributes sockets to containers: by the owner's
+//! cgroup path.
 //!
 //! A [`FakeContainer`] creates its cgroup v2 directories (only the ones that did not exist),
 //! and a process started with [`FakeContainer::command`] enters the container's cgroup before
@@ -75,7 +76,7 @@ fn random_uuid() -> String {
 pub struct FakeContainer {
     /// The 64-hex container id.
     pub id: String,
-    /// What connreap reports as `container_runtime`: `docker`, `containerd`, `podman`.
+    /// What connreap reports as `container_runtime`: `docker`, `containerd`, `crio`, `podman`.
     pub runtime: &'static str,
     /// For a Kubernetes container: the pod UID, its name and namespace.
     pub pod: Option<Pod>,
@@ -84,6 +85,10 @@ pub struct FakeContainer {
     leaf: PathBuf,
     /// Directories this container created, outermost first.
     created: Vec<PathBuf>,
+    /// Runtime state written for it (CRI-O's `config.json`): directories this container
+    /// created, outermost first, and files, removed on drop.
+    state_dirs: Vec<PathBuf>,
+    state_files: Vec<PathBuf>,
 }
 
 /// The Kubernetes pod a [`FakeContainer::kube`] container belongs to.
@@ -92,8 +97,9 @@ pub struct Pod {
     pub uid: String,
     pub name: String,
     pub namespace: String,
-    /// `/var/log/pods/<namespace>_<name>_<uid>`, created for the pod (and removed on drop).
-    log_dir: PathBuf,
+    /// `/var/log/pods/<namespace>_<name>_<uid>`, created for the pod (and removed on drop);
+    /// `None` for a pod whose names only its runtime's state holds ([`FakeContainer::crio`]).
+    log_dir: Option<PathBuf>,
     /// `/var/log/pods` itself when this pod created it.
     created_logs: bool,
 }
@@ -128,10 +134,65 @@ impl FakeContainer {
             uid,
             name: name.to_string(),
             namespace: namespace.to_string(),
-            log_dir,
+            log_dir: Some(log_dir),
             created_logs,
         };
         FakeContainer::create(root, id, "containerd", &rel, Some(pod))
+    }
+
+    /// CRI-O under Kubernetes (systemd driver, best-effort pod):
+    /// `/kubepods.slice/kubepods-besteffort.slice/kubepods-besteffort-pod<uid_>.slice/
+    /// crio-<id>.scope`. The pod's name and namespace are only in CRI-O's own state, as CRI-O
+    /// keeps it: the container's OCI spec
+    /// `/run/containers/storage/overlay-containers/<id>/userdata/config.json`, annotations
+    /// `io.kubernetes.pod.name`, `io.kubernetes.pod.namespace`, `io.kubernetes.pod.uid` (no
+    /// kubelet log directory, so connreap must read CRI-O's file to name the pod).
+    pub fn crio(root: &Path, namespace: &str, name: &str) -> FakeContainer {
+        let id = random_hex(32);
+        let uid = random_uuid();
+        let rel = [
+            "kubepods.slice".to_string(),
+            "kubepods-besteffort.slice".to_string(),
+            format!("kubepods-besteffort-pod{}.slice", uid.replace('-', "_")),
+            format!("crio-{id}.scope"),
+        ];
+        let pod = Pod {
+            uid: uid.clone(),
+            name: name.to_string(),
+            namespace: namespace.to_string(),
+            log_dir: None,
+            created_logs: false,
+        };
+        let mut c = FakeContainer::create(root, id, "crio", &rel, Some(pod));
+        let userdata = Path::new("/run/containers/storage/overlay-containers")
+            .join(&c.id)
+            .join("userdata");
+        let mut dir = PathBuf::from("/");
+        for comp in userdata.components().skip(1) {
+            dir.push(comp);
+            match fs::create_dir(&dir) {
+                Ok(()) => c.state_dirs.push(dir.clone()),
+                Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+                Err(e) => panic!("mkdir {}: {e}", dir.display()),
+            }
+        }
+        let spec = serde_json::json!({
+            "ociVersion": "1.0.2-dev",
+            "annotations": {
+                "io.kubernetes.cri-o.ContainerType": "container",
+                "io.kubernetes.cri-o.Name": format!("k8s_app_{name}_{namespace}_{uid}_0"),
+                "io.kubernetes.cri-o.Namespace": namespace,
+                "io.kubernetes.pod.name": name,
+                "io.kubernetes.pod.namespace": namespace,
+                "io.kubernetes.pod.uid": uid,
+                "io.kubernetes.container.name": "app",
+            }
+        });
+        let file = userdata.join("config.json");
+        fs::write(&file, spec.to_string())
+            .unwrap_or_else(|e| panic!("write {}: {e}", file.display()));
+        c.state_files.push(file);
+        c
     }
 
     /// podman (rootful, systemd driver): `/machine.slice/libpod-<id>.scope`.
@@ -155,6 +216,8 @@ impl FakeContainer {
             root: root.to_path_buf(),
             leaf: root.to_path_buf(),
             created: Vec::new(),
+            state_dirs: Vec::new(),
+            state_files: Vec::new(),
         };
         for comp in rel {
             c.leaf.push(comp);
@@ -249,10 +312,18 @@ impl Drop for FakeContainer {
             }
         }
         if let Some(pod) = &self.pod {
-            let _ = fs::remove_dir(&pod.log_dir);
+            if let Some(dir) = &pod.log_dir {
+                let _ = fs::remove_dir(dir);
+            }
             if pod.created_logs {
                 let _ = fs::remove_dir("/var/log/pods");
             }
+        }
+        for file in &self.state_files {
+            let _ = fs::remove_file(file);
+        }
+        for dir in self.state_dirs.iter().rev() {
+            let _ = fs::remove_dir(dir);
         }
     }
 }

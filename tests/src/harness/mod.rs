@@ -24,10 +24,13 @@ mod consts;
 pub mod containers;
 mod metrics;
 mod netns;
+pub mod pod_chain;
+pub mod pods;
 mod privileges;
 mod process;
 mod snapshot;
 mod tmpfs;
+pub mod users;
 
 pub use agent::Agent;
 pub use chain::{Chain, ChainAddrs};

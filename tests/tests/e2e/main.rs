@@ -20,6 +20,11 @@
 //!   namespaces and cgroups named like containers', the same port in each (attribution,
 //!   filters, one finding per pod, a quota polled inside a namespace, policies scoped to a
 //!   container, namespaces that vanish).
+//! - `pods`: issue 26, a node's pod layout for real (a bridge in a "node" namespace, pods on
+//!   veth pairs, a Service as an iptables DNAT rule, cgroups named as Docker / containerd /
+//!   CRI-O name them): incident 1 across pods with a real Node.js proxy, a pair through a
+//!   Service, a ghost of a deleted pod, a storm in a pod, a namespace with no name and no
+//!   process.
 //! - `fixtures_selftest`: the incident fixtures themselves (no namespace, no root, except
 //!   `netns_variants`).
 //!
@@ -31,6 +36,7 @@ mod daemon;
 mod detect;
 mod fixtures_selftest;
 mod namespaces;
+mod pods;
 mod reclaim;
 mod safety;
 mod snapshot;

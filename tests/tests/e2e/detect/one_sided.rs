@@ -118,7 +118,7 @@ fn idle_sockets_whose_peer_vanished_are_named_with_keepalive() {
         );
         assert!(
             summary.contains(if keepalive {
-                "; TCP keepalive on;"
+                "; TCP keepalive on: reaped by keepalive in ≤ "
             } else {
                 "TCP keepalive off"
             }),

@@ -99,9 +99,15 @@ fn quota_finding_names_the_proxy_behind_the_relay_without_port_map() {
     let summary = f["summary"].as_str().unwrap_or_default();
     assert!(
         summary.contains(&format!(
-            "fed through relay-sim (port 25001) by leaky-proxy pid {}: {matched} connections, {matched} idle, matched by timing",
+            "fed through relay-sim (port 25001) by leaky-proxy pid {}: {matched} connections, {matched} idle, ",
             chain.proxy_pid()
-        )),
+        )) && summary.contains("matched by timing"),
+        "{summary}"
+    );
+    // Every user left: the proxy's connections feeding the relay are orphaned (it was seen
+    // relaying while they were there).
+    assert!(
+        summary.contains(&format!("{matched} orphaned (downstream gone)")),
         "{summary}"
     );
     assert!(summary.ends_with("verdict: leak"), "{summary}");

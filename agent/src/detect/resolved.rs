@@ -1,0 +1,99 @@
+//! What a resolved notification says: the figures when the finding cleared, not a copy of the
+//! firing text.
+use super::{Finding, Kind};
+use crate::{config::DetectConfig, present::human, quota::QuotaStatus};
+
+/// The state of things when `f` cleared: the quota's reading now for a quota finding, else
+/// the threshold it no longer reaches.
+pub fn resolution(f: &Finding, cfg: &DetectConfig, quotas: &[QuotaStatus]) -> Option<String> {
+    let last = format!("last seen: count {}", f.count);
+    Some(match f.kind {
+        Kind::QuotaExhaustedByLeak => {
+            let q = f.quota.as_ref()?;
+            let status = quotas.iter().find(|s| s.name == q.name)?;
+            if let Some(e) = &status.error {
+                return Some(format!(
+                    "quota {} cannot be read ({e}), so it is no longer known to be saturated ({last} of {})",
+                    q.name, q.limit
+                ));
+            }
+            match status
+                .entries
+                .iter()
+                .find(|e| Some(e.port) == f.service_port)
+            {
+                Some(e) => format!(
+                    "{} quota on port {} now at {}/{}, below quota_saturation {} (was {}/{})",
+                    q.name, e.port, e.used, e.limit, cfg.quota_saturation, q.used, q.limit
+                ),
+                None => format!(
+                    "{} quota no longer reports port {} (was {}/{})",
+                    q.name,
+                    f.service_port.unwrap_or_default(),
+                    q.used,
+                    q.limit
+                ),
+            }
+        }
+        Kind::CloseWaitBuildup => format!(
+            "fewer than close_wait_threshold {} CLOSE_WAIT sockets older than {} ({last})",
+            cfg.close_wait_threshold,
+            human(cfg.close_wait_min_age)
+        ),
+        Kind::StuckEstablishedPairs => format!(
+            "fewer than stuck_pair_threshold {} pairs idle ≥ {} ({last})",
+            cfg.stuck_pair_threshold,
+            human(cfg.stuck_pair_min_idle)
+        ),
+        Kind::IdleEstablishedBuildup => format!(
+            "fewer than idle_established_threshold {} one-sided sockets idle ≥ {} ({last})",
+            cfg.idle_established_threshold,
+            human(cfg.idle_established_min_idle)
+        ),
+        Kind::ReconnectStorm => format!(
+            "new connections below storm_rate {}/s (last seen: {}/s)",
+            cfg.storm_rate,
+            f.rate_per_sec.unwrap_or_default()
+        ),
+        Kind::QuotaSourceUnavailable => "the quota source answers again".to_string(),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{detect::QuotaRef, quota::QuotaEntry};
+
+    #[test]
+    fn a_quota_resolves_with_its_reading_now() {
+        let mut f = crate::detect::testutil_finding(Kind::QuotaExhaustedByLeak, "relay:21000");
+        f.service_port = Some(21000);
+        f.quota = Some(QuotaRef {
+            name: "relay".into(),
+            used: 64,
+            limit: 64,
+        });
+        let status = QuotaStatus {
+            name: "relay".into(),
+            source: "http",
+            url: None,
+            last_poll: None,
+            entries: vec![QuotaEntry {
+                port: 21000,
+                used: 56,
+                limit: 64,
+            }],
+            error: None,
+        };
+        assert_eq!(
+            resolution(&f, &DetectConfig::default(), &[status]).as_deref(),
+            Some("relay quota on port 21000 now at 56/64, below quota_saturation 0.9 (was 64/64)")
+        );
+        let mut c = crate::detect::testutil_finding(Kind::CloseWaitBuildup, "java:80");
+        c.count = 40;
+        assert_eq!(
+            resolution(&c, &DetectConfig::default(), &[]).as_deref(),
+            Some("fewer than close_wait_threshold 16 CLOSE_WAIT sockets older than 30s (last seen: count 40)")
+        );
+    }
+}
