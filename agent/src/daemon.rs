@@ -87,7 +87,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         metrics.clone(),
         &tasks,
         &api_base(&cfg, &host),
-    );
+    )?;
     // Scans and reclaim rounds: one owner, on its own thread.
     let core = {
         let cfg = cfg.clone();

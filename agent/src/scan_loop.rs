@@ -158,6 +158,7 @@ impl ScanLoop {
                 quota_cfgs: &self.cfg.quota,
                 quotas: &quotas,
                 storm: &carry.storm,
+                nat: Some(&crate::kernel::procfs::conntrack),
             },
             &mut carry.memory,
         );

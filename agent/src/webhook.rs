@@ -217,12 +217,16 @@ impl Webhooks {
         metrics: Arc<Metrics>,
         tasks: &Supervisor,
         api_base: &str,
-    ) -> Self {
+    ) -> anyhow::Result<Self> {
+        // Never follow a redirect: a receiver answering 3xx would otherwise have the whole alert
+        // (pids, sockets, namespaces) re-posted wherever its Location points. A 3xx is a failed
+        // delivery naming the status and the Location, retried like any failure.
         let client = reqwest::Client::builder()
             .timeout(alerts.timeout)
             .user_agent(concat!("connreap/", env!("CARGO_PKG_VERSION")))
+            .redirect(reqwest::redirect::Policy::none())
             .build()
-            .unwrap_or_default();
+            .map_err(|e| anyhow::anyhow!("cannot build the webhook HTTP client: {e}"))?;
         let mut receivers = Vec::new();
         for cfg in cfgs {
             let q = Arc::new(Queue {
@@ -243,7 +247,7 @@ impl Webhooks {
             tasks.spawn(format!("webhook sender {}", q.receiver), sender);
             receivers.push((cfg.clone(), q));
         }
-        Webhooks {
+        Ok(Webhooks {
             receivers,
             am: AmContext {
                 resend: alerts.alertmanager_resend,
@@ -251,7 +255,7 @@ impl Webhooks {
                 api_base: api_base.to_string(),
             },
             metrics: Some(metrics),
-        }
+        })
     }
 
     /// Queue `n` for every receiver.
@@ -347,7 +351,12 @@ async fn deliver(
             other => {
                 metrics.webhook_sent(&q.receiver, false);
                 let why = match other {
-                    Ok(resp) => receiver::Failure::status(resp.status()),
+                    Ok(resp) => receiver::Failure::status(
+                        resp.status(),
+                        resp.headers()
+                            .get(reqwest::header::LOCATION)
+                            .map(|l| String::from_utf8_lossy(l.as_bytes()).into_owned()),
+                    ),
                     Err(e) => receiver::Failure::error(&e, timeout),
                 };
                 tracing::warn!(receiver = %q.receiver, cause = %why.cause, error = why.detail.as_deref(),

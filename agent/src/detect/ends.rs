@@ -11,6 +11,11 @@
 //!    when exactly one unpaired client has that source endpoint and exactly one unpaired server
 //!    sees it (a source address and port names one connection on a host).
 //!
+//! 4. **By conntrack**: where rule 3 finds no unique match (several clients share a source, or
+//!    the server sees another source: a masquerading Service), the kernel's connection tracking
+//!    of the namespace that translated it says which: the reply tuple of the client's original
+//!    tuple is the server's own (local, peer). Read only when such sockets exist.
+//!
 //! Where more than one socket could be the other end, none is taken: the socket is marked
 //! ambiguous and treated as unpaired with a note, never paired on a guess.
 use std::net::IpAddr;
@@ -28,6 +33,59 @@ pub enum PairedBy {
     AcrossNetns,
     /// Client source endpoint = server's peer (a DNAT between them).
     Dnat,
+    /// The client's tuple translated by conntrack is the server's (a DNAT, maybe with SNAT).
+    Conntrack,
+}
+
+/// One tracked TCP connection's original and reply tuples (as conntrack prints them: the
+/// reply's source is the server's own address, its destination what the server sees).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Nat {
+    pub orig_src: Endpoint,
+    pub orig_dst: Endpoint,
+    pub reply_src: Endpoint,
+    pub reply_dst: Endpoint,
+}
+
+/// The TCP entries of `/proc/net/nf_conntrack` text that were translated (reply differs from
+/// the reversed original). Lines that do not parse are skipped.
+pub fn parse_conntrack(text: &str) -> Vec<Nat> {
+    text.lines().filter_map(parse_conntrack_line).collect()
+}
+
+fn parse_conntrack_line(line: &str) -> Option<Nat> {
+    let mut f = line.split_whitespace();
+    if f.nth(2)? != "tcp" {
+        return None;
+    }
+    let mut vals: [Vec<&str>; 4] = Default::default();
+    for field in f {
+        let Some((k, v)) = field.split_once('=') else {
+            continue;
+        };
+        let i = match k {
+            "src" => 0,
+            "dst" => 1,
+            "sport" => 2,
+            "dport" => 3,
+            _ => continue,
+        };
+        vals[i].push(v);
+    }
+    let ep = |ip: &str, port: &str| -> Option<Endpoint> {
+        Some(Endpoint::new(ip.parse().ok()?, port.parse().ok()?))
+    };
+    let [src, dst, sport, dport] = &vals;
+    if src.len() < 2 || dst.len() < 2 || sport.len() < 2 || dport.len() < 2 {
+        return None;
+    }
+    let n = Nat {
+        orig_src: ep(src[0], sport[0])?,
+        orig_dst: ep(dst[0], dport[0])?,
+        reply_src: ep(src[1], sport[1])?,
+        reply_dst: ep(dst[1], dport[1])?,
+    };
+    (n.reply_src != n.orig_dst || n.reply_dst != n.orig_src).then_some(n)
 }
 
 /// For each row of a table, the row holding the other end of its connection, if on this host.
@@ -78,6 +136,12 @@ fn note<K: std::hash::Hash + Eq>(map: &mut FxHashMap<K, Seen>, k: K, i: usize) {
 
 impl Ends {
     pub fn new(table: &[Socket]) -> Ends {
+        Self::with_nat(table, &|| Vec::new())
+    }
+
+    /// [`Ends::new`] with the host's translated connections (rule 4), asked for only when some
+    /// client and server are left without a unique match.
+    pub fn with_nat(table: &[Socket], nat: &dyn Fn() -> Vec<Nat>) -> Ends {
         let n = table.len();
         let mut e = Ends {
             other: vec![NONE; n],
@@ -115,6 +179,7 @@ impl Ends {
         if !table.iter().all(|s| Some(s.netns.inode) == first_ns) {
             e.across(table);
             e.dnat(table);
+            e.conntrack(table, nat);
         }
         for (i, first) in dups {
             e.other[i] = e.other[first];
@@ -217,6 +282,63 @@ impl Ends {
             };
             if self.other[i] == NONE && eligible(s) && unsure.contains(&src) {
                 self.ambiguous[i] = true;
+            }
+        }
+    }
+
+    /// Rule 4: conntrack's translation of unpaired clients' tuples names their server.
+    fn conntrack(&mut self, table: &[Socket], nat: &dyn Fn() -> Vec<Nat>) {
+        // Unpaired (ambiguous ones included) routable sockets by (local, peer).
+        let open = |e: &Ends, i: usize| {
+            let s = &table[i];
+            eligible(s)
+                && e.other[i] == NONE
+                && !e.dup[i]
+                && !loopback(s.local.ip())
+                && !loopback(s.peer.ip())
+        };
+        let mut servers: FxHashMap<(EpKey, EpKey), Seen> = FxHashMap::default();
+        let mut any_client = false;
+        for (i, s) in table.iter().enumerate() {
+            if !open(self, i) {
+                continue;
+            }
+            match s.direction {
+                Direction::Inbound => note(&mut servers, (ep_key(s.local), ep_key(s.peer)), i),
+                Direction::Outbound => any_client = true,
+                Direction::Listen => {}
+            }
+        }
+        if servers.is_empty() || !any_client {
+            return;
+        }
+        let translated: FxHashMap<(EpKey, EpKey), (EpKey, EpKey)> = nat()
+            .into_iter()
+            .map(|n| {
+                (
+                    (ep_key(n.orig_src), ep_key(n.orig_dst)),
+                    (ep_key(n.reply_src), ep_key(n.reply_dst)),
+                )
+            })
+            .collect();
+        if translated.is_empty() {
+            return;
+        }
+        for (i, s) in table.iter().enumerate() {
+            if !open(self, i) || s.direction != Direction::Outbound {
+                continue;
+            }
+            let Some(reply) = translated.get(&(ep_key(s.local), ep_key(s.peer))) else {
+                continue;
+            };
+            let Some(sv) = servers.get(reply).copied() else {
+                continue;
+            };
+            let j = sv.first as usize;
+            if sv.count == 1 && open(self, j) {
+                self.link(i, j, PairedBy::Conntrack);
+                self.ambiguous[i] = false;
+                self.ambiguous[j] = false;
             }
         }
     }
@@ -334,6 +456,42 @@ mod tests {
         let e = Ends::new(&t);
         assert_eq!(e.other(0), Some(1));
         assert_eq!(e.how(0), Some(PairedBy::Dnat));
+    }
+
+    /// A Service that masquerades: the server sees the node's address, not the client's; the
+    /// translation conntrack keeps pairs them, and only it.
+    #[test]
+    fn pairs_a_masqueraded_service_by_conntrack() {
+        let (a, b) = (netns(41, Some("a")), netns(42, Some("b")));
+        let t = vec![
+            place(
+                est(1, "10.244.0.3:40000", "10.96.0.10:80", Direction::Outbound),
+                &a,
+                None,
+            ),
+            place(
+                est(2, "10.244.0.4:8080", "10.244.0.1:61000", Direction::Inbound),
+                &b,
+                None,
+            ),
+        ];
+        assert_eq!(Ends::new(&t).other(0), None);
+        let text = "ipv4     2 tcp      6 431999 ESTABLISHED src=10.244.0.3 dst=10.96.0.10 sport=40000 dport=80 src=10.244.0.4 dst=10.244.0.1 sport=8080 dport=61000 [ASSURED] mark=0 zone=0 use=2\n\
+                    ipv4     2 udp      17 20 src=10.0.0.1 dst=10.0.0.2 sport=53 dport=53 src=10.0.0.2 dst=10.0.0.1 sport=53 dport=53 mark=0 use=2\n\
+                    ipv4     2 tcp      6 20 ESTABLISHED src=1.1.1.1 dst=2.2.2.2 sport=1 dport=2 src=2.2.2.2 dst=1.1.1.1 sport=2 dport=1 mark=0 use=2\n\
+                    garbage line\n";
+        let nat = parse_conntrack(text);
+        assert_eq!(nat.len(), 1, "only translated TCP entries: {nat:?}");
+        let asked = std::cell::Cell::new(0);
+        let e = Ends::with_nat(&t, &|| {
+            asked.set(asked.get() + 1);
+            nat.clone()
+        });
+        assert_eq!(e.other(0), Some(1));
+        assert_eq!(e.how(1), Some(PairedBy::Conntrack));
+        assert_eq!(asked.get(), 1);
+        // Nothing left to match: conntrack is not read.
+        let _ = Ends::with_nat(&t[..1], &|| panic!("read for one socket"));
     }
 
     #[test]

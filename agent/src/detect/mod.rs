@@ -18,7 +18,7 @@ use rustc_hash::FxHashSet;
 use serde::Serialize;
 
 pub use downstream::{Downstreams, Orphan};
-pub use ends::Ends;
+pub use ends::{parse_conntrack, Ends, Nat};
 pub use idle::PeerCount;
 pub use quota::feeders;
 pub use resolved::resolution;
@@ -398,6 +398,8 @@ pub struct Input<'a> {
     pub quota_cfgs: &'a [QuotaConfig],
     pub quotas: &'a [QuotaStatus],
     pub storm: &'a StormTracker,
+    /// The host's translated connections (conntrack), read only if a pairing needs them.
+    pub nat: Option<&'a dyn Fn() -> Vec<Nat>>,
 }
 
 /// How the sockets of one table relate: the other end of each connection (across namespaces
@@ -405,6 +407,8 @@ pub struct Input<'a> {
 /// Each is computed on first use (a quiet host needs neither).
 pub struct Relations<'a> {
     table: &'a [Socket],
+    /// Where conntrack's translations come from (none: rule 4 of `ends` is skipped).
+    nat: Option<&'a dyn Fn() -> Vec<Nat>>,
     /// Processes seen relaying in earlier scans (see `downstream`).
     known_relays: FxHashSet<u32>,
     ends: std::cell::OnceCell<Ends>,
@@ -419,6 +423,7 @@ impl<'a> Relations<'a> {
     pub fn knowing(table: &'a [Socket], known_relays: FxHashSet<u32>) -> Self {
         Relations {
             table,
+            nat: None,
             known_relays,
             ends: Default::default(),
             downstreams: Default::default(),
@@ -427,8 +432,16 @@ impl<'a> Relations<'a> {
     pub fn table(&self) -> &'a [Socket] {
         self.table
     }
+    /// With conntrack's translations from `nat` (see `ends`).
+    pub fn with_nat(mut self, nat: Option<&'a dyn Fn() -> Vec<Nat>>) -> Self {
+        self.nat = nat;
+        self
+    }
     pub fn ends(&self) -> &Ends {
-        self.ends.get_or_init(|| Ends::new(self.table))
+        self.ends.get_or_init(|| match self.nat {
+            Some(nat) => Ends::with_nat(self.table, nat),
+            None => Ends::new(self.table),
+        })
     }
     pub fn downstreams(&self) -> &Downstreams {
         self.downstreams
@@ -452,7 +465,7 @@ pub fn run(input: &Input<'_>, memory: &mut Memory) -> Vec<Finding> {
     // Relays remembered while their pid still holds sockets.
     let pids: FxHashSet<u32> = input.table.iter().filter_map(Socket::pid).collect();
     memory.relays.retain(|p| pids.contains(p));
-    let rel = Relations::knowing(input.table, memory.relays.clone());
+    let rel = Relations::knowing(input.table, memory.relays.clone()).with_nat(input.nat);
     let mut out = close_wait::detect(input.table, input.cfg, &mut memory.close_wait_counts);
     out.extend(pairs::detect(&rel, input.cfg));
     out.extend(idle::detect(&rel, input.cfg));
@@ -546,6 +559,7 @@ mod merge_tests {
             quota_cfgs: &[],
             quotas: &[],
             storm: &storm,
+            nat: None,
         };
         let f = run(&input, &mut Memory::default());
         assert_eq!(f.len(), 1, "{f:?}");
@@ -591,6 +605,7 @@ mod merge_tests {
                 quota_cfgs: &[],
                 quotas: &[],
                 storm: &storm,
+                nat: None,
             };
             let f = run(&input, &mut Memory::default());
             assert_eq!(f.len(), 2, "{f:?}");

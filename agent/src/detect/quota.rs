@@ -403,6 +403,7 @@ limit = 4
             quota_cfgs,
             quotas: &quotas,
             storm: &storm,
+            nat: None,
         };
         detect(&input, &Relations::new(table))
     }
@@ -499,6 +500,7 @@ limit = 4
                 quota_cfgs: &cfgs,
                 quotas: &[st],
                 storm: &storm,
+                nat: None,
             },
             &Relations::new(&t),
         );

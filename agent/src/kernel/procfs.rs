@@ -26,6 +26,14 @@ pub fn keepalive() -> Option<crate::table::Keepalive> {
     })
 }
 
+/// The TCP connections this network namespace's conntrack translated (DNAT/SNAT), from
+/// `/proc/net/nf_conntrack`; empty when connection tracking is not loaded or not readable.
+pub fn conntrack() -> Vec<crate::detect::Nat> {
+    fs::read_to_string("/proc/net/nf_conntrack")
+        .map(|t| crate::detect::parse_conntrack(&t))
+        .unwrap_or_default()
+}
+
 /// The contents of `/proc/<pid>/cgroup`; None when the process has gone.
 pub fn cgroup(pid: u32) -> Option<String> {
     fs::read_to_string(format!("/proc/{pid}/cgroup")).ok()

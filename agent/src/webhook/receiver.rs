@@ -25,11 +25,16 @@ pub struct Failure {
 }
 
 impl Failure {
-    /// The receiver answered with a status that is not a success.
-    pub fn status(status: reqwest::StatusCode) -> Failure {
+    /// The receiver answered with a status that is not a success (a redirect is one: it is
+    /// never followed, and its Location is named, escaped and cut short).
+    pub fn status(status: reqwest::StatusCode, location: Option<String>) -> Failure {
+        let detail = location.filter(|_| status.is_redirection()).map(|l| {
+            let shown: String = l.chars().take(200).flat_map(char::escape_debug).collect();
+            format!("redirect to {shown} not followed")
+        });
         Failure {
             cause: format!("HTTP status {status}"),
-            detail: None,
+            detail,
         }
     }
 
@@ -165,8 +170,17 @@ mod tests {
 
     #[test]
     fn status() {
-        let f = Failure::status(reqwest::StatusCode::SERVICE_UNAVAILABLE);
+        let f = Failure::status(reqwest::StatusCode::SERVICE_UNAVAILABLE, None);
         assert_eq!(f.cause, "HTTP status 503 Service Unavailable");
+        let f = Failure::status(
+            reqwest::StatusCode::TEMPORARY_REDIRECT,
+            Some("http://127.0.0.2:9/stolen\u{1b}[2J".into()),
+        );
+        assert_eq!(f.cause, "HTTP status 307 Temporary Redirect");
+        assert_eq!(
+            f.detail.as_deref(),
+            Some("redirect to http://127.0.0.2:9/stolen\\u{1b}[2J not followed")
+        );
     }
 
     /// An error with a source, as the connector's layers are.

@@ -222,6 +222,33 @@ impl Node {
         }
     }
 
+    /// Masquerade what the node forwards to `backend` (kube-proxy's SNAT for hairpin and some
+    /// Service modes): the server then sees the node's address, not the client's. Removed on
+    /// drop, like a [`Service`].
+    pub fn masquerade(&self, cluster: SocketAddr, backend: SocketAddr) -> Service {
+        let rule: Vec<String> = [
+            "POSTROUTING",
+            "-d",
+            &format!("{}/32", backend.ip()),
+            "-p",
+            "tcp",
+            "--dport",
+            &backend.port().to_string(),
+            "-j",
+            "MASQUERADE",
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        self.iptables("-A", &rule);
+        Service {
+            node: self.ns.name().to_string(),
+            rule,
+            cluster,
+            backend,
+        }
+    }
+
     /// `iptables -t nat OP RULE...` in the node namespace; must succeed.
     fn iptables(&self, op: &str, rule: &[String]) {
         let mut cmd = self.ns.command("iptables");

@@ -7,5 +7,7 @@ mod flush;
 mod pool_leak;
 mod quota_source;
 mod relay;
+mod restart_alerts;
 mod storm;
+mod webhook_redirect;
 mod webhook_retry;

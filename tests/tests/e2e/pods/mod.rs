@@ -16,6 +16,7 @@ mod dnat_pair;
 mod ghost;
 mod hidden_netns;
 mod layout;
+mod masquerade_pair;
 mod relay_incident;
 mod storm;
 
