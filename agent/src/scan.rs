@@ -291,7 +291,10 @@ impl Scanner {
                 .iter()
                 .map(|(i, e)| (*i, format!("{e:#}")))
                 .collect(),
-            known: spaces.iter().map(|ns| netns_row(ns, None)).collect(),
+            known: spaces
+                .iter()
+                .map(|ns| netns_row(ns, self.walks.last(ns.inode).and_then(|w| w.keepalive)))
+                .collect(),
         };
         log_hidden(&self.namespaces, &spaces);
         self.namespaces = spaces;
@@ -394,7 +397,12 @@ fn owners_and_between(
                     if !kept {
                         return;
                     }
-                    let part = b.begin_namespace(hidden_row(inode), None);
+                    // Its port range and keepalive as its last walk (while discovered) read them.
+                    let last = walks.last(inode);
+                    let part = b.begin_namespace(
+                        hidden_row(inode, last.and_then(|w| w.keepalive)),
+                        last.and_then(|w| w.ephemeral.clone()),
+                    );
                     parts.insert(inode, part);
                     part
                 }
@@ -461,12 +469,11 @@ fn find(kernel: &mut Kernel, wanted: &str) -> Result<Namespace, KernelError> {
 }
 
 /// A namespace with no name, known through the sockets held in it.
-fn hidden_row(inode: u32) -> Arc<Netns> {
+fn hidden_row(inode: u32, keepalive: Option<crate::table::Keepalive>) -> Arc<Netns> {
     Arc::new(Netns {
         inode,
-        name: None,
-        own: false,
-        keepalive: None,
+        keepalive,
+        ..Netns::default()
     })
 }
 

@@ -189,9 +189,7 @@ impl StormTracker {
                 // Not among the scan's namespaces (gone since): named by its inode.
                 Arc::new(Netns {
                     inode,
-                    name: None,
-                    own: false,
-                    keepalive: None,
+                    ..Netns::default()
                 })
             }),
         };
@@ -406,9 +404,8 @@ mod tests {
         let cfg = DetectConfig::default();
         let host = Arc::new(Netns {
             inode: 40,
-            name: None,
             own: true,
-            keepalive: None,
+            ..Netns::default()
         });
         let pod = netns(41, Some("cni-x"));
         let c = Arc::new(container(

@@ -3,10 +3,8 @@
 //!
 //! Its comm is `connreap-testpe` (the kernel keeps 15 characters).
 use std::{
-    fs::File,
     io::{Read, Write},
     net::{Ipv6Addr, SocketAddr, TcpListener, TcpStream},
-    os::{fd::AsRawFd, unix::fs::MetadataExt},
     process::ExitCode,
     thread,
     time::{Duration, Instant},
@@ -16,16 +14,12 @@ use socket2::{Domain, Socket, Type};
 
 const USAGE: &str = "\
 usage: connreap-testpeer close-wait --addr IP:PORT --count N
-       connreap-testpeer hidden --netns PATH --addr IP:PORT --count N
        connreap-testpeer listen --addr IP:PORT [--chatty-ms M] [--close-after-ms M] [--keepalive]
        connreap-testpeer connect --addr IP:PORT --count N [--chatty-ms M] [--keepalive]
        connreap-testpeer storm --addr IP:PORT [--start-rate R] [--max-rate R] [--duration-ms D]
                          [--thread-name NAME]
 
 close-wait  listen on ADDR, connect N clients, close the accepted side: N clients in CLOSE_WAIT
-hidden      close-wait inside the network namespace PATH refers to (/run/netns/NAME), then go
-            back to the namespace it started in, holding the sockets; `ready` adds
-            netns=INODE (delete the name after: only the sockets keep the namespace alive)
 listen      accept and hold every connection on ADDR
 connect     hold N connections to ADDR
 storm       connect and close at once, in a loop: START-RATE connections/s (default 20),
@@ -49,8 +43,6 @@ Prints `ready ...` once the sockets exist, then sleeps until killed.";
 
 struct Args {
     mode: String,
-    /// (hidden) the namespace to make the sockets in.
-    netns: Option<String>,
     addr: SocketAddr,
     count: usize,
     chatty: Option<Duration>,
@@ -71,11 +63,10 @@ struct StormArgs {
 
 fn parse_args(argv: &[String]) -> Result<Args, String> {
     let mode = argv.first().ok_or("missing subcommand")?.clone();
-    if !["close-wait", "hidden", "listen", "connect", "storm"].contains(&mode.as_str()) {
+    if !["close-wait", "listen", "connect", "storm"].contains(&mode.as_str()) {
         return Err(format!("unknown subcommand `{mode}`"));
     }
     let (mut addr, mut count, mut chatty, mut close_after) = (None, None, None, None);
-    let mut netns = None;
     let mut storm = StormArgs {
         start_rate: 20,
         max_rate: 320,
@@ -95,7 +86,6 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         let bad = |e: &dyn std::fmt::Display| format!("invalid {flag} `{value}`: {e}");
         match flag.as_str() {
             "--addr" => addr = Some(value.parse::<SocketAddr>().map_err(|e| bad(&e))?),
-            "--netns" => netns = Some(value.clone()),
             "--count" => count = Some(value.parse::<usize>().map_err(|e| bad(&e))?),
             "--chatty-ms" => {
                 let ms = value.parse::<u64>().map_err(|e| bad(&e))?;
@@ -135,11 +125,8 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
         (_, Some(n)) if n > 0 => n,
         (_, _) => return Err(format!("{mode} needs --count N (N >= 1)")),
     };
-    if (mode == "close-wait" || mode == "hidden") && chatty.is_some() {
-        return Err(format!("{mode} takes no --chatty-ms"));
-    }
-    if (mode == "hidden") != netns.is_some() {
-        return Err("hidden needs --netns PATH, and only hidden takes it".into());
+    if mode == "close-wait" && chatty.is_some() {
+        return Err("close-wait takes no --chatty-ms".into());
     }
     if mode == "storm" && chatty.is_some() {
         return Err("storm takes no --chatty-ms".into());
@@ -163,7 +150,6 @@ fn parse_args(argv: &[String]) -> Result<Args, String> {
     }
     Ok(Args {
         mode,
-        netns,
         addr,
         count,
         chatty,
@@ -323,58 +309,6 @@ fn local_addrs(conns: &[TcpStream]) -> String {
 
 fn close_wait(args: &Args) -> Result<(), String> {
     let away = go_away(args.netns_file.as_deref())?;
-    let (listener, clients, port) = make_close_wait(args)?;
-    let mut fields = vec![
-        ("port", port.to_string()),
-        ("count", clients.len().to_string()),
-        ("locals", local_addrs(&clients)),
-    ];
-    fields.extend(come_back(away)?);
-    ready(&fields);
-    sleep_forever((listener, clients))
-}
-
-/// `setns(fd, CLONE_NEWNET)` for the calling thread.
-fn enter(fd: &File, what: &str) -> Result<(), String> {
-    // SAFETY: setns on an open namespace fd changes only the calling thread's namespace.
-    if unsafe { libc::setns(fd.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-        return Err(format!(
-            "cannot enter {what}: {}",
-            std::io::Error::last_os_error()
-        ));
-    }
-    Ok(())
-}
-
-/// close-wait's sockets made inside the namespace at `--netns`, held from the namespace this
-/// process started in (the main thread enters and comes back; no other thread runs yet).
-fn hidden(args: &Args) -> Result<(), String> {
-    let path = args.netns.as_deref().unwrap_or_default();
-    let home = File::open("/proc/thread-self/ns/net")
-        .map_err(|e| format!("cannot open the own network namespace: {e}"))?;
-    let (inode, made) = {
-        let there = File::open(path).map_err(|e| format!("cannot open {path}: {e}"))?;
-        let inode = there
-            .metadata()
-            .map_err(|e| format!("cannot stat {path}: {e}"))?
-            .ino();
-        enter(&there, path)?;
-        (inode, make_close_wait(args))
-    };
-    enter(&home, "the own network namespace again")?;
-    let (listener, clients, port) = made?;
-    ready(&[
-        ("port", port.to_string()),
-        ("count", clients.len().to_string()),
-        ("locals", local_addrs(&clients)),
-        ("netns", inode.to_string()),
-    ]);
-    sleep_forever((listener, clients))
-}
-
-/// A listener on `args.addr` and `args.count` clients of it in CLOSE_WAIT (the accepted side
-/// closed); and the port.
-fn make_close_wait(args: &Args) -> Result<(TcpListener, Vec<TcpStream>, u16), String> {
     let listener = listen(args.addr)?;
     let target = dial_addr(args.addr, &listener)?;
     let clients = (0..args.count)
@@ -394,7 +328,14 @@ fn make_close_wait(args: &Args) -> Result<(TcpListener, Vec<TcpStream>, u16), St
             Err(e) => return Err(format!("waiting for the FIN: {e}")),
         }
     }
-    Ok((listener, clients, target.port()))
+    let mut fields = vec![
+        ("port", target.port().to_string()),
+        ("count", clients.len().to_string()),
+        ("locals", local_addrs(&clients)),
+    ];
+    fields.extend(come_back(away)?);
+    ready(&fields);
+    sleep_forever((listener, clients))
 }
 
 fn listen_and_hold(args: &Args) -> Result<(), String> {
@@ -528,7 +469,6 @@ fn main() -> ExitCode {
     };
     let result = match args.mode.as_str() {
         "close-wait" => close_wait(&args),
-        "hidden" => hidden(&args),
         "listen" => listen_and_hold(&args),
         "storm" => storm(&args),
         _ => connect_and_hold(&args),

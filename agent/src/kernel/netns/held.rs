@@ -64,20 +64,23 @@ fn owned(ret: libc::c_long) -> Result<OwnedFd, std::io::Error> {
 /// An fd of the network namespace of the socket process `pid` holds at `fd`.
 pub(super) fn open(pid: u32, fd: u32) -> Result<OwnedFd, HeldError> {
     let gone = || HeldError::Gone { pid, fd };
-    // SAFETY: pidfd_open(pid, flags) takes plain integers and returns a new fd or -1.
-    let pidfd = owned(unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_int, 0) })
-        .map_err(|source| match source.raw_os_error() {
-            Some(libc::ESRCH) => gone(),
-            _ => HeldError::Pidfd { pid, source },
-        })?;
+    let no_flags: libc::c_long = 0;
+    // SAFETY: pidfd_open(pid, flags) takes plain integers (passed as the longs syscall(2)
+    // reads) and returns a new fd or -1.
+    let pidfd =
+        owned(unsafe { libc::syscall(libc::SYS_pidfd_open, pid as libc::c_long, no_flags) })
+            .map_err(|source| match source.raw_os_error() {
+                Some(libc::ESRCH) => gone(),
+                _ => HeldError::Pidfd { pid, source },
+            })?;
     // SAFETY: pidfd_getfd(pidfd, targetfd, flags) takes a pidfd we own and plain integers;
     // it returns a new fd (a duplicate of the target's file) or -1.
     let sock = owned(unsafe {
         libc::syscall(
             libc::SYS_pidfd_getfd,
-            pidfd.as_raw_fd(),
-            fd as libc::c_int,
-            0,
+            pidfd.as_raw_fd() as libc::c_long,
+            fd as libc::c_long,
+            no_flags,
         )
     })
     .map_err(|source| match source.raw_os_error() {

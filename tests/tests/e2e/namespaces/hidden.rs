@@ -21,20 +21,23 @@ use super::{
     wait_close_wait_alert_of, LEAKED, PORT,
 };
 
-/// `connreap-testpeer hidden`: [`LEAKED`] CLOSE_WAIT sockets and their listener on [`PORT`],
-/// made inside `ns` and held from the host's namespace.
+/// `connreap-testpeer close-wait --netns-file`: [`LEAKED`] CLOSE_WAIT sockets and their
+/// listener on [`PORT`], made inside `ns` and held from the host's namespace.
 fn holder(ns: &NetNs) -> (Child, Ready) {
     let mut cmd = std::process::Command::new(program(TESTPEER));
     cmd.args([
-        "hidden",
-        "--netns",
-        &format!("/run/netns/{}", ns.name()),
+        "close-wait",
         "--addr",
         &format!("127.0.0.1:{PORT}"),
         "--count",
         &LEAKED.to_string(),
+        "--netns-file",
+        &format!("/run/netns/{}", ns.name()),
     ]);
-    let mut child = Child::spawn(&mut cmd, &format!("{TESTPEER} hidden in {}", ns.name()));
+    let mut child = Child::spawn(
+        &mut cmd,
+        &format!("{TESTPEER} close-wait --netns-file in {}", ns.name()),
+    );
     let ready = child.wait_ready(READY_TIMEOUT);
     (child, ready)
 }
