@@ -3,17 +3,21 @@
 //! behind before) are found in the file at start, the tail is cut off and logged, and the
 //! intent gets its `failed` line; the daemon's own lines follow, whole.
 
-use std::fs;
+use std::{collections::BTreeSet, fs};
 
 use connreap_tests::harness::{
-    audit::{int, result_is, text},
-    require_privileges, wait_until, Agent, Config, NetNs, TempDir, POLL, SCAN,
+    alive,
+    audit::{int, read_audit, result_is, text},
+    require_privileges, wait_until, Agent, Config, NetNs, TempDir, Tmpfs, POLL, SCAN,
 };
 use serde_json::{json, Value};
 
-use super::{pool, pool_policy};
+use super::{close_wait_to, pool, pool_policy};
 
 const PORT: u16 = 7540;
+const FULL_PORT: u16 = 7541;
+/// Free bytes left in the audit log's last page on a full tmpfs: less than one kill intent.
+const ROOM: usize = 60;
 /// A pid no process has (above the kernel's largest pid_max).
 const GONE_PID: u64 = 4_194_305;
 
@@ -105,4 +109,86 @@ fn a_torn_audit_line_and_an_intent_without_outcome_are_repaired_at_start() {
             .any(|l| l.contains("WARN") && l.contains("kill intents without an outcome")),
         "{log}"
     );
+}
+
+/// The disk fills mid-line: the audit log's last page has room for part of a kill intent
+/// only, so the write is cut short (a partial write, then ENOSPC). The file is left exactly as
+/// it was (truncated back), nothing is killed; once space returns every kill follows its
+/// intent and the file is whole JSON lines.
+#[test]
+fn a_write_cut_short_by_a_full_disk_leaves_the_audit_log_as_it_was() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let ns = NetNs::new("sf-midline");
+    let dir = TempDir::new("sf-midline");
+    let fs = Tmpfs::mount(&dir.path("auditfs"), 64 * 1024, false);
+    let audit = fs.path("audit.jsonl");
+    // Whole lines filling one page but ROOM bytes.
+    let mut before = String::new();
+    let want = 4096 - ROOM;
+    while before.len() < want {
+        let left = want - before.len();
+        let pad = if left > 300 {
+            200
+        } else {
+            left - r#"{"result":"note","pad":""}"#.len() - 1
+        };
+        before += &format!("{{\"result\":\"note\",\"pad\":\"{}\"}}\n", "x".repeat(pad));
+    }
+    assert_eq!(before.len(), want);
+    fs::write(&audit, &before).unwrap_or_else(|e| panic!("write {}: {e}", audit.display()));
+    fs.fill();
+
+    let (client, leaked) = pool(&ns, FULL_PORT, 3);
+    let config = Config::new(&dir)
+        .protect_ports(&[22])
+        .audit_log(&audit)
+        .policy(&pool_policy("pool-leak", "enforce", FULL_PORT, ""));
+    let agent = Agent::start(&ns, &dir, &config);
+    let errors = "connreap_audit_write_errors_total";
+    wait_until(SCAN * 10, POLL, || {
+        (agent.metric(errors).unwrap_or(0.0) >= 2.0).then_some(())
+    })
+    .unwrap_or_else(|| panic!("{errors} never reached 2:\n{}", agent.ctx()));
+    let now = fs::read_to_string(&audit).expect("audit log");
+    assert!(
+        now == before,
+        "the audit log changed although every write failed ({} bytes, was {}):\n{}",
+        now.len(),
+        before.len(),
+        &now[before.len().min(now.len())..]
+    );
+    assert_eq!(
+        close_wait_to(&ns, FULL_PORT, client.pid()),
+        leaked,
+        "a socket was closed without a durable intent:\n{}",
+        agent.ctx()
+    );
+
+    fs.free();
+    wait_until(SCAN * 8, POLL, || {
+        close_wait_to(&ns, FULL_PORT, client.pid())
+            .is_empty()
+            .then_some(())
+    })
+    .unwrap_or_else(|| panic!("nothing killed after space returned:\n{}", agent.ctx()));
+    assert!(alive(client.pid()), "the pool's process died");
+    let lines = read_audit(&audit);
+    assert!(fs::read_to_string(&audit)
+        .expect("audit")
+        .starts_with(&before));
+    let killed = result_is(&lines, "killed");
+    let locals: BTreeSet<String> = killed.iter().map(|d| text(d, "local").into()).collect();
+    assert_eq!(locals, leaked, "{lines:#?}");
+    for k in &killed {
+        let intent = lines
+            .iter()
+            .position(|l| {
+                l["result"] == "kill-intent" && l["local"] == k["local"] && l["round"] == k["round"]
+            })
+            .unwrap_or_else(|| panic!("a kill without its intent: {k}"));
+        let at = lines.iter().position(|l| l == *k).expect("the kill");
+        assert!(intent < at, "intent after its kill: {k}");
+    }
 }
