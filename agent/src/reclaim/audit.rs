@@ -347,6 +347,59 @@ mod tests {
     }
 
     #[test]
+    fn an_intended_socket_always_gets_its_outcome_written() {
+        let mut log = AuditLog::new(PathBuf::from("/nonexistent"), 0, 0);
+        let mut skip = decisions(1, Outcome::Skipped);
+        skip[0].reason = Some("at the re-check: serves a connected downstream".into());
+        assert_eq!(log.dedupe("p", &skip).len(), 1);
+        // The same skip after a kill intent for that socket is its outcome: written again.
+        log.intended("p", &decisions(1, Outcome::KillIntent));
+        assert_eq!(log.dedupe("p", &skip).len(), 1);
+        assert_eq!(
+            log.dedupe("p", &skip).len(),
+            0,
+            "a plain repeat is still deduplicated"
+        );
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_file_as_it_was_and_repair_runs_once() {
+        let dir = std::env::temp_dir().join(format!("connreap-audit-rep-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("audit.jsonl");
+        let mut intent = serde_json::to_value(&decisions(1, Outcome::KillIntent)[0]).unwrap();
+        intent["agent_pid"] = 4_194_305.into();
+        fs::write(&path, format!("{intent}\n{{\"torn")).unwrap();
+        let mut log = AuditLog::new(path.clone(), 0, 0);
+        let done = log.repair().unwrap();
+        assert_eq!(
+            done,
+            Repair {
+                torn_bytes: 6,
+                outcomes: 1
+            }
+        );
+        assert_eq!(log.repair().unwrap(), Repair::default(), "once per process");
+        let text = fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[1]["result"], "failed");
+        assert_eq!(lines[1]["reason"], super::super::audit_repair::NOT_EXECUTED);
+        assert_eq!(lines[1]["agent_pid"], 4_194_305);
+        // A write that fails (here on a read-only fd; a full disk in the e2e tests) leaves the
+        // file as it was.
+        let ro = fs::File::open(&path).unwrap();
+        let err = log.write_locked(&ro, b"{\"x\":1}\n", true);
+        assert!(err.is_err());
+        assert_eq!(fs::read_to_string(&path).unwrap(), text);
+        let _ = fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn lines_name_the_namespace_and_container() {
         let dir = std::env::temp_dir().join(format!("connreap-audit-ns-{}", std::process::id()));
         let _ = fs::remove_dir_all(&dir);
