@@ -2,6 +2,7 @@
 //! repository root is the reference; a unit test keeps it equal to `Config::default()`.
 mod keys;
 mod ranges;
+mod shown;
 mod size;
 mod token;
 mod validate;
@@ -48,6 +49,42 @@ pub enum ConfigError {
         key: String,
         message: String,
     },
+}
+
+impl ConfigError {
+    /// The error as it may be printed: every part that comes from the file or its path with
+    /// control characters escaped and capped (see [`shown`]).
+    fn shown(self) -> ConfigError {
+        use shown::{shown, PART_MAX};
+        match self {
+            ConfigError::Read { path, source } => ConfigError::Read {
+                path: shown(&path, PART_MAX),
+                source,
+            },
+            ConfigError::Parse {
+                path,
+                line,
+                column,
+                message,
+            } => ConfigError::Parse {
+                path: shown(&path, PART_MAX),
+                line,
+                column,
+                message: shown(&message, PART_MAX),
+            },
+            ConfigError::Invalid {
+                path,
+                line,
+                key,
+                message,
+            } => ConfigError::Invalid {
+                path: shown(&path, PART_MAX),
+                line,
+                key: shown(&key, PART_MAX),
+                message: shown(&message, PART_MAX),
+            },
+        }
+    }
 }
 
 fn line_part(line: &Option<usize>) -> String {
@@ -463,6 +500,10 @@ fn line_range(text: &str, offset: usize) -> std::ops::Range<usize> {
 
 /// Parse and validate a configuration text; `path` is only used in messages.
 pub fn parse(text: &str, path: &str) -> Result<Config, ConfigError> {
+    parse_unshown(text, path).map_err(ConfigError::shown)
+}
+
+fn parse_unshown(text: &str, path: &str) -> Result<Config, ConfigError> {
     let cfg: Config = toml::from_str(text).map_err(|e| parse_error(text, path, &e))?;
     validate(&cfg).map_err(|(key, message)| ConfigError::Invalid {
         path: path.into(),
@@ -493,7 +534,8 @@ fn parse_error(text: &str, path: &str, e: &toml::de::Error) -> ConfigError {
     let what = match Positions::of(text) {
         Some(p) => p.at(start, range).map(KeyPath::to_string),
         None => Some(text[range].trim().to_string()).filter(|l| !l.is_empty()),
-    };
+    }
+    .map(|w| shown::shown(&w, shown::INPUT_MAX));
     ConfigError::Parse {
         path: path.into(),
         line,
@@ -506,9 +548,12 @@ fn parse_error(text: &str, path: &str, e: &toml::de::Error) -> ConfigError {
 }
 
 pub fn load(path: &Path) -> Result<Config, ConfigError> {
-    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
-        path: path.display().to_string(),
-        source,
+    let text = std::fs::read_to_string(path).map_err(|source| {
+        ConfigError::Read {
+            path: path.display().to_string(),
+            source,
+        }
+        .shown()
     })?;
     parse(&text, &path.display().to_string())
 }

@@ -75,8 +75,13 @@ enum Cmd {
         #[arg(long)]
         config: Option<std::path::PathBuf>,
     },
-    /// Remove the pinned state tracker (/sys/fs/bpf/connreap): ages start over.
-    Unpin,
+    /// Remove the pinned state tracker (/sys/fs/bpf/connreap): ages start over. Refused (exit
+    /// 75, naming the pid) while another process, such as a running connreap, uses it.
+    Unpin {
+        /// Remove the pins even while another connreap uses them (its tracker is reset).
+        #[arg(long)]
+        force: bool,
+    },
     /// Write the man pages and shell completions (`cargo xtask dist`).
     #[command(hide = true)]
     GenerateDocs(docs::Args),
@@ -169,7 +174,8 @@ fn run(
     Ok(ExitCode::SUCCESS)
 }
 
-/// `connreap reclaim`: another connreap holds the host's reclaim lock (EX_TEMPFAIL).
+/// `connreap reclaim`: another connreap holds the host's reclaim lock; `connreap unpin`:
+/// another connreap uses the pins (EX_TEMPFAIL).
 const EX_TEMPFAIL: u8 = 75;
 /// `connreap reclaim`: an enforce policy ran as a dry run (no destroy mechanism, audit log not
 /// writable): nothing was killed although the policy says enforce.
@@ -343,18 +349,24 @@ fn other_command(verbose: bool, cmd: &Cmd) -> anyhow::Result<ExitCode> {
             }
         },
         Cmd::Snapshot { filter, json } => snapshot(verbose, filter, *json),
-        Cmd::Unpin => kernel::unpin_all()
-            .map(|removed| {
-                eprintln!(
-                    "{}",
-                    if removed {
-                        "state tracker unpinned"
-                    } else {
-                        "nothing pinned"
-                    }
-                )
-            })
-            .map_err(Into::into),
+        Cmd::Unpin { force } => match kernel::unpin_all(*force) {
+            Err(e @ kernel::KernelError::PinsInUse { .. }) => {
+                eprintln!("connreap: {e}");
+                return Ok(ExitCode::from(EX_TEMPFAIL));
+            }
+            r => r,
+        }
+        .map(|removed| {
+            eprintln!(
+                "{}",
+                if removed {
+                    "state tracker unpinned"
+                } else {
+                    "nothing pinned"
+                }
+            )
+        })
+        .map_err(Into::into),
         Cmd::GenerateDocs(args) => docs::generate(<Cli as clap::CommandFactory>::command(), args),
         // Handled by `main` with their config.
         Cmd::Run { .. } | Cmd::Reclaim { .. } => Ok(()),

@@ -352,5 +352,8 @@ pub fn warnings(cfg: &Config) -> Vec<String> {
             ));
         }
     }
-    out
+    // Names and values come from the file: escaped and capped like errors.
+    out.into_iter()
+        .map(|w| super::shown::shown(&w, super::shown::PART_MAX))
+        .collect()
 }

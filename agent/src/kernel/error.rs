@@ -25,6 +25,13 @@ pub enum KernelError {
     /// The pin root is unusable; nothing was created or removed.
     #[error("pin root {} (CONNREAP_PIN_ROOT) refused: {why}", root.display())]
     PinRoot { root: PathBuf, why: String },
+    /// `connreap unpin` without `--force`: another process holds the pinned objects.
+    #[error(
+        "refusing to unpin: {users} use{} the state tracker pinned under {} (another connreap \
+         running with this pin root); stop it first, or run `connreap unpin --force` to reset \
+         its tracker anyway", if .users.contains(", ") { "" } else { "s" }, root.display()
+    )]
+    PinsInUse { root: PathBuf, users: String },
     #[error("cannot prepare pin directory {}", path.display())]
     PinDir {
         path: PathBuf,

@@ -20,6 +20,7 @@ mod hz;
 mod memory;
 pub mod netns;
 pub mod offsets;
+mod pin_users;
 mod pins;
 pub mod procfs;
 pub mod ring;

@@ -261,15 +261,32 @@ pub(super) fn clean_failed_load(dir: &Path, before: &[&str]) {
 
 /// Remove every pin connreap created under the root (detaches the state tracker), and the root
 /// if nothing else is left in it. Used by `connreap unpin`; true if anything was removed.
-pub fn unpin_all() -> Result<bool, KernelError> {
+/// Unless `force`, refuses (removing nothing) while another process holds one of the pinned
+/// maps or programs: another connreap runs with this pin root and its tracker would be reset.
+pub fn unpin_all(force: bool) -> Result<bool, KernelError> {
     let root = root_path();
     if fs::symlink_metadata(&root).is_err() {
         return Ok(false);
     }
     check_root(&root)?;
     let _lock = super::host::load_lock();
+    let dirs = own_dirs(&root);
+    if !force {
+        let mut ids = super::pin_users::Ids::default();
+        for dir in &dirs {
+            ids.add_dir(dir);
+        }
+        let users = super::pin_users::users(&ids);
+        if !ids.is_empty() && !users.is_empty() {
+            let users: Vec<String> = users.iter().map(ToString::to_string).collect();
+            return Err(KernelError::PinsInUse {
+                root,
+                users: users.join(", "),
+            });
+        }
+    }
     let mut removed = false;
-    for dir in own_dirs(&root) {
+    for dir in dirs {
         removed |= remove_own_pins(&dir);
     }
     if root.exists() {

@@ -1,14 +1,21 @@
 //! The audit log: one JSON line per decision, only ever appended to, rotated by size. Kill
 //! intents are written and fsynced before the kill (write-ahead), so a kill never happens
-//! without a durable line saying so.
+//! without a durable line saying so. The file is always a sequence of whole JSON lines: a
+//! failed write is truncated back to where it began (under an flock, so no other appender's
+//! line is cut), and at first use a torn tail is cut off and every kill intent left without an
+//! outcome gets one (`failed`, "not executed: the daemon stopped").
 use std::{
     collections::HashMap,
     fs::{self, OpenOptions},
-    io::Write,
+    io::{BufReader, Seek, Write},
+    os::fd::AsRawFd,
     path::PathBuf,
 };
 
-use super::{Decision, Outcome};
+use super::{
+    audit_repair::{self, Intents},
+    Decision, Outcome,
+};
 
 /// A socket as audit lines name it: local and peer address, inode.
 type SocketId = (String, String, u64);
@@ -34,6 +41,17 @@ pub struct AuditLog {
     last: HashMap<(String, SocketId), (Verdict, u64)>,
     /// Rounds seen per policy (the clock of `last`).
     policy_rounds: HashMap<String, u64>,
+    /// Whether the file was repaired (torn tail, intents without outcome) by this process.
+    repaired: bool,
+}
+
+/// What [`AuditLog::repair`] did.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Repair {
+    /// Bytes of a torn last line cut off.
+    pub torn_bytes: u64,
+    /// Outcome lines written for kill intents that had none.
+    pub outcomes: usize,
 }
 
 /// Why an audit write failed (the path is in the message).
@@ -52,7 +70,56 @@ impl AuditLog {
             keep,
             last: HashMap::new(),
             policy_rounds: HashMap::new(),
+            repaired: false,
         }
+    }
+
+    /// Repair the file once per process, before its first use: cut a torn last line off and
+    /// write a `failed` outcome ("not executed: the daemon stopped") for every kill intent
+    /// without one (except a running connreap's), fsynced. Both are logged (WARN). A missing
+    /// file needs nothing. On error it is tried again at the next use, which fails until then.
+    pub fn repair(&mut self) -> Result<Repair, AuditError> {
+        if self.repaired {
+            return Ok(Repair::default());
+        }
+        let f = match OpenOptions::new().read(true).write(true).open(&self.path) {
+            Ok(f) => f,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => {
+                self.repaired = true;
+                return Ok(Repair::default());
+            }
+            Err(e) => return Err(self.error(e)),
+        };
+        let _locked = Flock::exclusive(&f).map_err(|e| self.error(e))?;
+        let mut intents = Intents::default();
+        let rotated = PathBuf::from(format!("{}.1", self.path.display()));
+        if let Ok(old) = fs::File::open(&rotated) {
+            // An intent written before a rotation may have its outcome in the current file.
+            let _ = audit_repair::read(&mut BufReader::new(old), &mut intents);
+        }
+        let len = f.metadata().map_err(|e| self.error(e))?.len();
+        let keep =
+            audit_repair::read(&mut BufReader::new(&f), &mut intents).map_err(|e| self.error(e))?;
+        let mut done = Repair::default();
+        if keep < len {
+            f.set_len(keep)
+                .and_then(|()| f.sync_data())
+                .map_err(|e| self.error(e))?;
+            done.torn_bytes = len - keep;
+            tracing::warn!(file = %self.path.display(), bytes_removed = done.torn_bytes,
+                "audit log: cut off a torn last line (a write cut short before this start)");
+        }
+        let time = crate::present::rfc3339(chrono::Utc::now());
+        let outcomes = intents.outcomes(&time, audit_repair::other_connreap);
+        if !outcomes.is_empty() {
+            self.write_locked(&f, &lines(&outcomes).map_err(|e| self.error(e))?, true)?;
+            done.outcomes = outcomes.len();
+            tracing::warn!(file = %self.path.display(), intents = done.outcomes,
+                reason = audit_repair::NOT_EXECUTED,
+                "audit log: kill intents without an outcome line: written as failed");
+        }
+        self.repaired = true;
+        Ok(done)
     }
 
     fn error(&self, error: std::io::Error) -> AuditError {
@@ -64,8 +131,9 @@ impl AuditLog {
 
     /// Whether the file can be opened for appending (a cheap pre-check; the write itself is
     /// what counts, since opening succeeds on a full disk).
-    pub fn check(&self) -> Result<(), AuditError> {
-        self.open().map(drop).map_err(|e| self.error(e))
+    pub fn check(&mut self) -> Result<(), AuditError> {
+        self.open().map(drop).map_err(|e| self.error(e))?;
+        self.repair().map(drop)
     }
 
     fn open(&self) -> std::io::Result<fs::File> {
@@ -80,34 +148,50 @@ impl AuditLog {
 
     /// Append `decisions` in one write(2) (a line and its newline in separate writes could be
     /// spliced by another appender or cut by a crash); with `durable`, fsync before returning.
-    /// A failed or short write is an error and the caller must not act on these lines.
+    /// A failed or short write is an error, the file is truncated back to its length before the
+    /// write, and the caller must not act on these lines.
     pub fn append<T: serde::Serialize>(
         &mut self,
         decisions: &[T],
         durable: bool,
     ) -> Result<(), AuditError> {
-        let mut buf = Vec::new();
-        for d in decisions {
-            serde_json::to_writer(&mut buf, d).map_err(|e| self.error(e.into()))?;
-            buf.push(b'\n');
-        }
+        let buf = lines(decisions).map_err(|e| self.error(e))?;
         if buf.is_empty() {
             return Ok(());
         }
+        self.repair()?;
         self.rotate_for(buf.len() as u64)
             .map_err(|e| self.error(e))?;
-        let mut f = self.open().map_err(|e| self.error(e))?;
+        let f = self.open().map_err(|e| self.error(e))?;
+        let _locked = Flock::exclusive(&f).map_err(|e| self.error(e))?;
+        self.write_locked(&f, &buf, durable)
+    }
+
+    /// Write `buf` at the end of `f` (locked by the caller); on any failure truncate `f` back to
+    /// its length before the write, so the file is as it was.
+    fn write_locked(&self, mut f: &fs::File, buf: &[u8], durable: bool) -> Result<(), AuditError> {
+        let before = f
+            .seek(std::io::SeekFrom::End(0))
+            .map_err(|e| self.error(e))?;
         let written = f
-            .write_all(&buf)
+            .write_all(buf)
             .and_then(|()| if durable { f.sync_data() } else { f.flush() });
         if let Err(e) = written {
-            // Leave no partial line behind for the next append to run into.
-            if let Ok(len) = f.metadata().map(|m| m.len()) {
-                let _ = f.set_len(len.saturating_sub(partial(&f, len)));
+            if let Err(t) = f.set_len(before).and_then(|()| f.sync_data()) {
+                tracing::error!(file = %self.path.display(), length = before, error = %t,
+                    "audit log: cannot truncate a failed write back");
             }
             return Err(self.error(e));
         }
         Ok(())
+    }
+
+    /// A socket whose kill intent was just written: its outcome line is always written (never
+    /// taken as a repeat of an earlier skip).
+    pub fn intended(&mut self, policy: &str, intents: &[Decision]) {
+        for d in intents {
+            self.last.remove(&(policy.to_string(), socket_id(d)));
+        }
     }
 
     /// Drop skip/would-kill decisions identical to the last one written for the same policy
@@ -178,18 +262,34 @@ impl AuditLog {
     }
 }
 
-/// Bytes after the last newline in the first `len` bytes of `f` (a line cut short).
-fn partial(f: &fs::File, len: u64) -> u64 {
-    use std::os::unix::fs::FileExt;
-    let tail_len = len.min(64 * 1024);
-    let mut tail = vec![0u8; tail_len as usize];
-    if f.read_exact_at(&mut tail, len - tail_len).is_err() {
-        return 0;
+/// `items` as JSON lines.
+fn lines<T: serde::Serialize>(items: &[T]) -> std::io::Result<Vec<u8>> {
+    let mut buf = Vec::new();
+    for d in items {
+        serde_json::to_writer(&mut buf, d)?;
+        buf.push(b'\n');
     }
-    match tail.iter().rposition(|b| *b == b'\n') {
-        Some(i) => tail_len - 1 - i as u64,
-        None if tail_len == len => len,
-        None => 0,
+    Ok(buf)
+}
+
+/// An exclusive flock on the audit file, held while writing or repairing it (released on
+/// drop): a write truncated back or a tail cut off never takes another appender's line.
+struct Flock<'a>(&'a fs::File);
+
+impl<'a> Flock<'a> {
+    fn exclusive(f: &'a fs::File) -> std::io::Result<Flock<'a>> {
+        // SAFETY: flock on an fd that `f` owns and that outlives the guard.
+        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Flock(f))
+    }
+}
+
+impl Drop for Flock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: flock on an fd that the borrowed file owns.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
     }
 }
 
@@ -244,6 +344,59 @@ mod tests {
         let k = decisions(1, Outcome::Killed);
         assert_eq!(log.dedupe("p", &k).len(), 1);
         assert_eq!(log.dedupe("p", &k).len(), 1);
+    }
+
+    #[test]
+    fn an_intended_socket_always_gets_its_outcome_written() {
+        let mut log = AuditLog::new(PathBuf::from("/nonexistent"), 0, 0);
+        let mut skip = decisions(1, Outcome::Skipped);
+        skip[0].reason = Some("at the re-check: serves a connected downstream".into());
+        assert_eq!(log.dedupe("p", &skip).len(), 1);
+        // The same skip after a kill intent for that socket is its outcome: written again.
+        log.intended("p", &decisions(1, Outcome::KillIntent));
+        assert_eq!(log.dedupe("p", &skip).len(), 1);
+        assert_eq!(
+            log.dedupe("p", &skip).len(),
+            0,
+            "a plain repeat is still deduplicated"
+        );
+    }
+
+    #[test]
+    fn a_failed_write_leaves_the_file_as_it_was_and_repair_runs_once() {
+        let dir = std::env::temp_dir().join(format!("connreap-audit-rep-{}", std::process::id()));
+        let _ = fs::remove_dir_all(&dir);
+        fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("audit.jsonl");
+        let mut intent = serde_json::to_value(&decisions(1, Outcome::KillIntent)[0]).unwrap();
+        intent["agent_pid"] = 4_194_305.into();
+        fs::write(&path, format!("{intent}\n{{\"torn")).unwrap();
+        let mut log = AuditLog::new(path.clone(), 0, 0);
+        let done = log.repair().unwrap();
+        assert_eq!(
+            done,
+            Repair {
+                torn_bytes: 6,
+                outcomes: 1
+            }
+        );
+        assert_eq!(log.repair().unwrap(), Repair::default(), "once per process");
+        let text = fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(lines.len(), 2);
+        assert_eq!(lines[1]["result"], "failed");
+        assert_eq!(lines[1]["reason"], super::super::audit_repair::NOT_EXECUTED);
+        assert_eq!(lines[1]["agent_pid"], 4_194_305);
+        // A write that fails (here on a read-only fd; a full disk in the e2e tests) leaves the
+        // file as it was.
+        let ro = fs::File::open(&path).unwrap();
+        let err = log.write_locked(&ro, b"{\"x\":1}\n", true);
+        assert!(err.is_err());
+        assert_eq!(fs::read_to_string(&path).unwrap(), text);
+        let _ = fs::remove_dir_all(&dir);
     }
 
     #[test]

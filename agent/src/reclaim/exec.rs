@@ -28,6 +28,8 @@ use crate::{
 };
 
 const RECENT: usize = 1000;
+/// How the reason of a target spared at the re-check (after its kill intent) begins.
+const RECHECK: &str = "at the re-check: ";
 
 /// Where a quota-saturated policy may act this round: its quota's namespace and the feeders'
 /// (see [`QuotaReach`]); None for other policies.
@@ -116,6 +118,9 @@ pub struct Reclaimer {
     acted_on: HashMap<String, DateTime<Utc>>,
     /// Per policy: recent kills and whether a scheduled round made them (the per-interval cap).
     kills: HashMap<String, VecDeque<(Instant, Asker)>>,
+    /// Outcome lines of written kill intents that could not be written yet: written first by
+    /// the next append (every intent gets its outcome).
+    unwritten: Vec<Decision>,
     /// The last audit write error (cleared by the next good write), for /healthz.
     pub audit_error: Option<String>,
     /// Per policy: the last "selects nothing" reason said (its wording without counts).
@@ -133,13 +138,20 @@ impl Reclaimer {
             }
             Err(e) => tracing::warn!(reason = %e, "no socket destroy mechanism"),
         }
+        let mut audit = AuditLog::new(
+            PathBuf::from(&cfg.reclaim.audit_log),
+            AUDIT_MAX_BYTES,
+            AUDIT_KEEP,
+        );
+        // A torn tail and intents left without outcome by an earlier run are repaired now (and
+        // retried at the audit log's first use if this fails).
+        if let Err(e) = audit.repair() {
+            tracing::error!(error = %e, "cannot repair the audit log at start");
+        }
         Reclaimer {
             mechanism,
-            audit: AuditLog::new(
-                PathBuf::from(&cfg.reclaim.audit_log),
-                AUDIT_MAX_BYTES,
-                AUDIT_KEEP,
-            ),
+            audit,
+            unwritten: Vec::new(),
             lock: None,
             role,
             scan_interval: cfg.agent.scan_interval,
@@ -369,6 +381,7 @@ impl Reclaimer {
             self.audit_error = Some(e.clone());
             return (would_kill(&Mode::AuditUnwritable(e.clone())), Some(e));
         }
+        self.audit.intended(&p.name, &intents);
         let Ok(destroyer) = self.mechanism.as_mut() else {
             return (would_kill(&armed.mode), None);
         };
@@ -397,7 +410,7 @@ impl Reclaimer {
             .iter()
             .map(|t| {
                 let f = now.get(&(t.skaddr, t.inode))?;
-                spared(p, &fresh_rel, f).map(|why| format!("at the re-check: {why}"))
+                spared(p, &fresh_rel, f).map(|why| format!("{RECHECK}{why}"))
             })
             .collect();
         let to_kill: Vec<&Socket> = targets
@@ -454,7 +467,9 @@ impl Reclaimer {
         if !decisions.is_empty() {
             self.rounds = armed.round;
             let fresh = self.audit.dedupe(&p.name, &decisions);
-            match self.audit.append(&fresh, true) {
+            let mut lines = std::mem::take(&mut self.unwritten);
+            lines.extend(fresh.iter().cloned());
+            match self.audit.append(&lines, true) {
                 Ok(()) => {
                     if !fresh.is_empty() {
                         self.audit_error = None;
@@ -462,6 +477,15 @@ impl Reclaimer {
                 }
                 Err(e) => {
                     self.audit.forget(&p.name);
+                    // Outcomes of intents already written are kept for the next write.
+                    self.unwritten = lines
+                        .into_iter()
+                        .filter(|d| {
+                            matches!(d.result, Outcome::Killed | Outcome::Failed)
+                                || d.result == Outcome::Skipped
+                                    && d.reason.as_deref().is_some_and(|r| r.starts_with(RECHECK))
+                        })
+                        .collect();
                     tracing::error!(error = %e, "cannot append to the audit log");
                     self.audit_error = Some(e.to_string());
                     audit_error = Some(e.to_string());

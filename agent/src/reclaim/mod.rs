@@ -11,6 +11,7 @@
 //! `detect::downstream`) is never taken unless the policy says `include_serving = true`;
 //! orphaned ones go first.
 pub mod audit;
+mod audit_repair;
 pub mod exec;
 pub mod kill;
 pub mod lock;

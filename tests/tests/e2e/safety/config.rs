@@ -1,7 +1,8 @@
 //! Configurations that used to pass `check-config` and then break the daemon (overflowing
 //! durations, zero periods, NaN rates, unusable token files) are refused by `check-config`
 //! and `run` alike with exit 78 naming file:line:key; what stays allowed but risky is warned
-//! about; a selector never reaches sockets nobody owns unless it says so.
+//! about; a selector never reaches sockets nobody owns unless it says so; what an error echoes
+//! of the file is escaped and capped.
 
 use std::{
     net::{TcpListener, TcpStream},
@@ -141,6 +142,64 @@ fn absurd_values_exit_78_from_check_config_and_run() {
         get_json_in_netns(ns.name(), addr(API), "/healthz", HTTP).is_err(),
         "nothing may listen after a refused start"
     );
+}
+
+/// Config files whose errors would echo what a terminal must not get: an ESC byte in a value
+/// (raw, and as the TOML escape `\u001b`, which makes it a real ESC in the value), a 100k-deep
+/// nested array (a 200 KB line), a 50 KB name. `check-config` and `run` exit 78 with a short
+/// stderr, every control character escaped.
+#[test]
+fn config_errors_escape_and_cap_what_they_echo() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let ns = NetNs::new("cfgecho");
+    let dir = TempDir::new("cfgecho");
+    let files = [
+        (
+            "raw-esc",
+            "[agent]\nlog_format = \"te\u{1b}]0;owned\u{7}st\"\n".to_string(),
+            "te\\u{1b}]0;owned",
+        ),
+        (
+            "toml-esc",
+            "[agent]\nlog_format = \"\\u001b[31mred\"\n".to_string(),
+            "\\u{1b}[31mred",
+        ),
+        (
+            "deep",
+            format!(
+                "[agent]\nx = {}{}\n",
+                "[".repeat(100_000),
+                "]".repeat(100_000)
+            ),
+            "more bytes",
+        ),
+        (
+            "long-name",
+            format!(
+                "[[policy]]\nname = \"{}\"\ntrigger = \"always\"\nselect = {{}}\n",
+                "n".repeat(50_000)
+            ),
+            "more bytes",
+        ),
+    ];
+    for (name, text, expect) in files {
+        let path = dir.write(&format!("{name}.toml"), &text);
+        let path = path.display().to_string();
+        for args in [vec!["check-config", &path], vec!["run", "--config", &path]] {
+            let out = run(&mut ns.connreap(&args), CONNREAP_TIMEOUT);
+            let ctx = format!("connreap {} ({name})", args.join(" "));
+            assert_eq!(out.status.code(), Some(78), "{ctx}: {out:?}");
+            let err = &out.stderr;
+            assert!(err.len() < 1000, "{ctx}: {} bytes of stderr", err.len());
+            assert!(
+                !err.chars().any(|c| c.is_control() && c != '\n'),
+                "{ctx}: a control character reached stderr: {err:?}"
+            );
+            assert!(err.contains(&path) && err.contains(expect), "{ctx}: {err}");
+        }
+    }
 }
 
 /// The line of the first line of `text` containing `needle`.

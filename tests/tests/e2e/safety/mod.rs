@@ -9,6 +9,7 @@
 
 mod api_limits;
 mod audit_growth;
+mod audit_repair;
 mod config;
 mod faults;
 mod lock;

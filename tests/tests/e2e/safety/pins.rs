@@ -19,7 +19,8 @@ use connreap_tests::harness::{
 /// The lock connreap takes while it loads or changes pins (agent/src/kernel/host.rs).
 const LOAD_LOCK: &str = "/run/lock/connreap.load.lock";
 
-/// `connreap unpin` while the daemon runs: at its next scan the daemon pins its tracker again
+/// `connreap unpin` while the daemon runs is refused (exit 75, naming the daemon's pid; nothing
+/// removed); `connreap unpin --force` while the daemon runs: at its next scan the daemon pins its tracker again
 /// (a new link), says so in its log, and a transition after that has an exact age again, while
 /// a socket that entered its state before the gap shows a lower bound (its old record was
 /// cleared: never a stale exact age). /healthz stays ok.
@@ -40,8 +41,31 @@ fn unpin_under_a_running_daemon_is_repaired_at_its_next_scan() {
     let before = wait_rows(&agent, "LISTEN", 7810, listener.pid(), 1);
     assert!(before[0].age_exact, "{before:?}\n{}", agent.ctx());
 
+    // The daemon uses the pins: a plain unpin refuses (exit 75), naming its pid, and removes
+    // nothing (what the .deb's prerm runs beside a DaemonSet pod).
     let out = run(&mut ns.connreap(["unpin"]), CONNREAP_TIMEOUT);
-    assert!(out.status.success(), "connreap unpin failed: {out:?}");
+    assert_eq!(out.status.code(), Some(75), "unpin under a daemon: {out:?}");
+    let holder = format!("pid {} (connreap)", agent.pid());
+    assert!(
+        out.stderr.contains("refusing to unpin")
+            && out.stderr.contains(&holder)
+            && out.stderr.contains("--force"),
+        "{out:?}"
+    );
+    assert_eq!(out.stderr.trim_end().lines().count(), 1, "{out:?}");
+    assert_eq!(
+        fs::metadata(&link).map(|m| m.ino()).ok(),
+        Some(ino),
+        "a refused unpin removed the tracker's link"
+    );
+    agent.assert_healthy();
+
+    // `--force`: the operator means it.
+    let out = run(&mut ns.connreap(["unpin", "--force"]), CONNREAP_TIMEOUT);
+    assert!(
+        out.status.success(),
+        "connreap unpin --force failed: {out:?}"
+    );
     assert!(out.stderr.contains("state tracker unpinned"), "{out:?}");
 
     // Re-pinned: a new link pin (a new inode), and the daemon's log says why.

@@ -59,7 +59,7 @@ fn sockets_before_any_tracker(ns: &NetNs) -> (Child, Child, Child) {
     // Someone else on the host may run connreap (and pin a tracker) while we set up: retry.
     (0..3)
         .find_map(|_| {
-            let out = run(&mut ns.connreap(["unpin"]), CONNREAP_TIMEOUT);
+            let out = run(&mut ns.connreap(["unpin", "--force"]), CONNREAP_TIMEOUT);
             assert!(out.status.success(), "connreap unpin failed: {out:?}");
             assert!(!Path::new(PIN_ROOT).exists(), "{PIN_ROOT} still exists");
             let cw = peer(
