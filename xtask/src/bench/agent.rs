@@ -87,7 +87,7 @@ impl Drop for PinRestore {
     fn drop(&mut self) {
         let r = match (self.was_pinned, is_pinned()) {
             (true, false) => connreap(&["snapshot", "--json"]),
-            (false, true) => connreap(&["unpin"]),
+            (false, true) => connreap(&["unpin", "--force"]),
             _ => Ok(()),
         };
         if let Err(e) = r {

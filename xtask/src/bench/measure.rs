@@ -32,7 +32,7 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let h = ns.handle();
     // Seven pairs: rounds on a VM swing widely, and the median of fewer moved with that drift.
     let (pairs, interval) = if ctx.smoke { (1, 1.0) } else { (7, 5.0) };
-    agent::connreap(&["unpin"])?;
+    agent::connreap(&["unpin", "--force"])?;
     let warm = load::warm_up(&h, WORKERS, ctx.warm_up())?;
     let rounds = churn_rounds(ctx, &h, pairs, interval)?;
     let tcp_sockets = super::scale::ss_count(&h)?;
@@ -120,7 +120,7 @@ fn churn_rounds(ctx: &Ctx, h: &NsHandle, pairs: usize, interval: f64) -> Result<
                 r.log.push(format!("with {:.0}/s", c.rate()));
                 r.with.push(c.rate());
             } else {
-                agent::connreap(&["unpin"])?;
+                agent::connreap(&["unpin", "--force"])?;
                 let c = load::churn(h, WORKERS, round)?;
                 r.log.push(format!("without {:.0}/s", c.rate()));
                 r.without.push(c.rate());

@@ -163,7 +163,7 @@ fn median(v: &[f64]) -> f64 {
 /// and a diagnosis sentence. Runs with bpf_stats enabled and without the default root's tracker
 /// (a third program on the tracepoint would take the first run's misses for both).
 pub fn measure(ctx: &Ctx, handles: (&NsHandle, &NsHandle)) -> Result<(Vec<String>, String)> {
-    agent::connreap(&["unpin"])?;
+    agent::connreap(&["unpin", "--force"])?;
     let others = &VARIANTS[1..];
     // Per variant: the difference (variant − full) of each round, and the order effect.
     let mut diffs: Vec<Vec<f64>> = vec![Vec::new(); others.len()];
