@@ -83,7 +83,6 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     };
     let t = Transition {
         now: now(),
-        sk,
         skaddr: sk as u64,
         saddr,
         daddr,
@@ -147,8 +146,8 @@ fn track(t: &Transition, batch: *mut EventBatch) {
 /// What the tracker read about one transition.
 struct Transition {
     now: u64,
-    /// The socket (the tracepoint's trusted pointer), for what only events carry.
-    sk: *const u8,
+    /// The socket's address: to the verifier, still the tracepoint's trusted pointer (a cast
+    /// is no instruction), so `fill` reads through it what only events carry.
     skaddr: u64,
     saddr: [u64; 2],
     daddr: [u64; 2],
@@ -215,7 +214,7 @@ unsafe fn fill(ev: *mut TransitionEvent, t: &Transition) {
         (*ev).dport = t.dport;
         (*ev).oldstate = t.oldstate;
         (*ev).newstate = t.newstate;
-        (*ev).netns = netns_of(t.sk);
+        (*ev).netns = netns_of(t.skaddr as *const u8);
         // The task on the CPU is the socket's user only for transitions out of CLOSE (connect,
         // listen): the others mostly run in softirq context, so they skip the helper calls.
         if t.oldstate == tcp_state::CLOSE {
