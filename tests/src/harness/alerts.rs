@@ -18,6 +18,13 @@ pub fn receiver(ns: &NetNs) -> WebhookReceiver {
 }
 
 /// Whether alert (or finding) `b` is of `kind` with `status` (`firing` / `resolved`).
+/// A webhook receiver in the host's namespace, on a free port (for a daemon run in the host's
+/// namespace, as on a node).
+pub fn host_receiver() -> WebhookReceiver {
+    WebhookReceiver::start(addr("127.0.0.1:0"))
+        .unwrap_or_else(|e| panic!("webhook receiver on 127.0.0.1:0: {e}"))
+}
+
 pub fn is(b: &Value, kind: &str, status: &str) -> bool {
     b["kind"] == kind && b["status"] == status
 }

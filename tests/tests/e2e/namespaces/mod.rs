@@ -18,6 +18,7 @@ mod sockets_api;
 mod storm_in_pod;
 mod three_containers;
 
+use connreap_tests::harness::alerts::host_receiver;
 use std::{
     collections::BTreeSet,
     net::{SocketAddr, TcpStream},
@@ -199,12 +200,6 @@ trigger = "always"
 select = {{ {scope}, comm = "{PEER_COMM}", local_port = {PORT}, states = ["CLOSE_WAIT"] }}
 "#
     )
-}
-
-/// A webhook receiver in the host's namespace, on a free port.
-fn host_receiver() -> WebhookReceiver {
-    WebhookReceiver::start(addr("127.0.0.1:0"))
-        .unwrap_or_else(|e| panic!("webhook receiver on 127.0.0.1:0: {e}"))
 }
 
 /// What the tests' host daemon runs: alerts to `hook` (fast retries), the API on a free port,

@@ -20,12 +20,12 @@ mod masquerade_pair;
 mod relay_incident;
 mod storm;
 
+use connreap_tests::harness::alerts::host_receiver;
 use std::{path::PathBuf, time::Duration};
 
 use connreap_tests::{
     fixtures::{free_addr, WebhookReceiver},
     harness::{
-        addr,
         alerts::describe,
         containers::cgroup2_root,
         pods::{missing_pod_tools, Pod},
@@ -50,12 +50,6 @@ fn setup() -> Option<(Privileged, PathBuf)> {
         return None;
     }
     Some((env, root))
-}
-
-/// A webhook receiver in the host's namespace, on a free port.
-fn host_receiver() -> WebhookReceiver {
-    WebhookReceiver::start(addr("127.0.0.1:0"))
-        .unwrap_or_else(|e| panic!("webhook receiver on 127.0.0.1:0: {e}"))
 }
 
 /// The tests' host daemon: alerts to `hook` (fast retries, changes re-sent within a second),
