@@ -39,6 +39,8 @@ pub struct Published {
     pub quotas: Arc<Vec<QuotaStatus>>,
     pub last_scan: Option<Instant>,
     pub last_scan_error: Option<String>,
+    /// Scans (or reclaim rounds) failed in a row: see [`crate::health`].
+    pub failures: crate::health::Failures,
     pub scans: u64,
     /// Notifications waiting for webhook receivers.
     pub webhook_queued: usize,
@@ -93,15 +95,24 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     let p = st.read();
     let interval = st.cfg.agent.scan_interval;
     let age = p.last_scan.map(|t| t.elapsed());
+    // Failing (the daemon must be restarted): the engine is gone, scans keep failing or a
+    // supervised task stopped; the scan loop has stopped the watchdog pings for the same cause.
+    let failed_tasks = st.tasks.failures();
+    let fatal = crate::health::fatal(
+        &p.failures,
+        st.engine.status.borrow().dead.as_deref(),
+        &failed_tasks,
+    );
     // Healthy once a scan has completed and scans keep completing.
-    let healthy = age.is_some_and(|a| {
+    let fresh = age.is_some_and(|a| {
         a <= interval
             .saturating_mul(3)
             .saturating_add(std::time::Duration::from_secs(5))
     });
+    let healthy = fresh && fatal.is_none();
     // Scans work, but something a user relies on does not: still 200 (restarting the agent
     // would not help), with each problem named.
-    let mut problems: Vec<String> = st.tasks.failures();
+    let mut problems: Vec<String> = failed_tasks;
     problems.extend(p.tracker_problem.clone());
     problems.extend(netns_problems(&p.netns_failed));
     if let Some(e) = &st.engine.status.borrow().audit_error {
@@ -109,17 +120,20 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
             "audit log not writable, enforce policies kill nothing: {e}"
         ));
     }
-    let status = match (healthy, problems.is_empty()) {
-        (false, _) => "unhealthy",
-        (true, true) => "ok",
-        (true, false) => "degraded",
+    let status = match (&fatal, fresh, problems.is_empty()) {
+        (Some(_), _, _) => "failing",
+        (None, false, _) => "unhealthy",
+        (None, true, true) => "ok",
+        (None, true, false) => "degraded",
     };
     let body = json!({
         "status": status,
+        "cause": fatal,
         "problems": problems,
         "scans": p.scans,
         "last_scan_age_secs": age.map(|a| a.as_secs_f64()),
         "last_scan_error": p.last_scan_error,
+        "failed_scans_in_row": p.failures.in_row,
         "sockets": p.sockets,
         "findings": p.alerts.len(),
         "webhook_queued": p.webhook_queued,

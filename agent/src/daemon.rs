@@ -123,6 +123,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         published: published.clone(),
         metrics: metrics.clone(),
         webhooks: webhooks.clone(),
+        tasks: tasks.clone(),
     };
     let state = Arc::new(AppState {
         published,

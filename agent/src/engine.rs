@@ -151,6 +151,8 @@ pub struct EngineStatus {
     pub recent: Arc<Vec<Decision>>,
     /// The last audit write error, until a write succeeds again.
     pub audit_error: Option<String>,
+    /// The engine thread ended: why (a panic's message). Nothing scans or reclaims any more.
+    pub dead: Option<String>,
 }
 
 /// Handle to the engine thread; cheap to clone.
@@ -176,19 +178,30 @@ impl Engine {
         std::thread::Builder::new()
             .name("connreap-engine".into())
             .spawn(move || {
-                while let Some(req) = rx.blocking_recv() {
-                    let rounds = core.reclaimer.rounds();
-                    core.handle(req, &mut report);
-                    let audit_error = core.reclaimer.audit_error.clone();
-                    if core.reclaimer.rounds() != rounds
-                        || status_tx.borrow().audit_error != audit_error
-                    {
-                        status_tx.send_replace(EngineStatus {
-                            recent: Arc::new(core.reclaimer.recent()),
-                            audit_error,
-                        });
+                // A panic ends the thread: say why on the status channel, so the scan loop
+                // names the cause on /healthz instead of a bare "thread is gone".
+                let run = std::panic::AssertUnwindSafe(|| {
+                    while let Some(req) = rx.blocking_recv() {
+                        let rounds = core.reclaimer.rounds();
+                        core.handle(req, &mut report);
+                        let audit_error = core.reclaimer.audit_error.clone();
+                        if core.reclaimer.rounds() != rounds
+                            || status_tx.borrow().audit_error != audit_error
+                        {
+                            status_tx.send_replace(EngineStatus {
+                                recent: Arc::new(core.reclaimer.recent()),
+                                audit_error,
+                                dead: None,
+                            });
+                        }
                     }
-                }
+                });
+                let why = match std::panic::catch_unwind(run) {
+                    Ok(()) => "stopped".to_string(),
+                    Err(p) => format!("panicked: {}", crate::tasks::panic_message(p)),
+                };
+                tracing::error!(thread = "connreap-engine", "the scan/reclaim thread {why}");
+                status_tx.send_modify(|s| s.dead = Some(format!("the scan/reclaim thread {why}")));
             })?;
         Ok(Engine {
             tx,

@@ -7,6 +7,7 @@ mod daemon;
 mod detect;
 mod docs;
 mod engine;
+mod health;
 mod kernel;
 mod logging;
 mod metrics;

@@ -12,12 +12,14 @@ use crate::{
     api::{Published, TableView},
     config::Config,
     detect::{self, ConnKey, Memory, StormTracker},
-    engine::{Engine, ScanOutput},
+    engine::{Engine, EngineError, ScanOutput},
+    health::{self, Failures},
     kernel::ring::OpenKey,
     metrics::Metrics,
     poller::QuotaFeeds,
     quota::{self, QuotaStatus},
     table::{Netns, Socket},
+    tasks::Supervisor,
     webhook::Webhooks,
 };
 
@@ -31,9 +33,12 @@ pub struct ScanLoop {
     pub published: watch::Sender<Published>,
     pub metrics: Arc<Metrics>,
     pub webhooks: Webhooks,
+    /// The supervised background tasks: one that stopped fails the daemon (see [`health`]).
+    pub tasks: Supervisor,
 }
 
-/// The systemd watchdog is pinged once per scan (in [`ScanLoop::run`]), so a watchdog interval
+/// The systemd watchdog is pinged once per scan (in [`ScanLoop::run`]) while the daemon is not
+/// failing ([`health::fatal`]), so a watchdog interval
 /// near `agent.scan_interval` would kill a healthy daemon whenever one scan runs a little long.
 #[derive(Debug, thiserror::Error)]
 #[error(
@@ -79,6 +84,9 @@ struct Carry {
     memory: Memory,
     storm: StormTracker,
     window_start: Instant,
+    failures: Failures,
+    /// Why the daemon is failing, as last logged.
+    fatal: Option<String>,
 }
 
 impl ScanLoop {
@@ -96,31 +104,57 @@ impl ScanLoop {
             memory: Memory::default(),
             storm: StormTracker::default(),
             window_start: Instant::now(),
+            failures: Failures::default(),
+            fatal: None,
         };
         let mut watchdog_usec = 0u64;
         let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec);
         loop {
             ticker.tick().await;
             let t0 = Instant::now();
-            let ok = self.once(&mut carry, t0).await;
+            let outcome = self.once(&mut carry, t0).await;
             self.metrics
                 .scan_duration
                 .observe(t0.elapsed().as_secs_f64());
-            if ok && self.published.borrow().scans == 1 {
+            match outcome {
+                Ok(()) => carry.failures.ok(),
+                Err(e) => carry.failures.failed(e),
+            }
+            let fatal = health::fatal(
+                &carry.failures,
+                self.engine.status.borrow().dead.as_deref(),
+                &self.tasks.failures(),
+            );
+            self.published
+                .send_modify(|p| p.failures = carry.failures.clone());
+            if carry.failures.in_row == 0 && self.published.borrow().scans == 1 {
                 let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
                 tracing::info!(
                     scan_ms = t0.elapsed().as_millis() as u64,
                     "first scan done; ready"
                 );
             }
-            if watchdog {
+            if fatal.is_some() != carry.fatal.is_some() {
+                match &fatal {
+                    Some(cause) => tracing::error!(
+                        cause = %cause,
+                        "failing: no more watchdog pings (systemd restarts the daemon), /healthz answers 503"
+                    ),
+                    None => {
+                        tracing::info!("recovered: watchdog pings resume, /healthz answers 200")
+                    }
+                }
+            }
+            carry.fatal = fatal;
+            if watchdog && carry.fatal.is_none() {
                 let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
             }
         }
     }
 
-    /// One scan and everything that follows from it; false if the scan failed.
-    async fn once(&mut self, carry: &mut Carry, t0: Instant) -> bool {
+    /// One scan and everything that follows from it; Err: why the scan or the reclaim rounds
+    /// failed (then nothing new is published but the error).
+    async fn once(&mut self, carry: &mut Carry, t0: Instant) -> Result<(), String> {
         // Free the published table before building the next one: two tables would double the
         // daemon's memory at 100k sockets. GET /v1/sockets waits for the new one.
         self.published.send_modify(|p| p.table = TableView::Pending);
@@ -134,13 +168,10 @@ impl ScanLoop {
             Ok(out) => out,
             Err(e) => {
                 self.metrics.scan_errors.inc();
-                let e = format!("{:#}", anyhow::Error::new(e));
+                let e = self.describe(e);
                 tracing::error!(error = %e, "scan failed");
-                self.published.send_modify(|p| {
-                    p.table = TableView::Failed(e.clone());
-                    p.last_scan_error = Some(e);
-                });
-                return false;
+                self.publish_failure(e.clone());
+                return Err(e);
             }
         };
         let quotas = Arc::new(self.quotas(&table));
@@ -192,8 +223,12 @@ impl ScanLoop {
         let table = match self.engine.rounds(table, quotas.clone()).await {
             Ok((table, _rounds)) => table,
             Err(e) => {
-                tracing::error!(error = %format!("{:#}", anyhow::Error::new(e)), "reclaim rounds failed");
-                Vec::new()
+                // The table went to the engine with the request: publish the failure, never an
+                // empty table (that would read as "no sockets").
+                let e = self.describe(e);
+                tracing::error!(error = %e, "reclaim rounds failed");
+                self.publish_failure(format!("reclaim rounds failed: {e}"));
+                return Err(e);
             }
         };
         let queued = self.webhooks.queued();
@@ -209,7 +244,23 @@ impl ScanLoop {
             p.tracker_problem = tracker.problem().map(str::to_string);
             p.netns_failed = namespaces.failed;
         });
-        true
+        Ok(())
+    }
+
+    /// An engine error as text; for a dead engine, why it died.
+    fn describe(&self, e: EngineError) -> String {
+        match (&e, self.engine.status.borrow().dead.as_deref()) {
+            (EngineError::Gone, Some(why)) => why.to_string(),
+            _ => format!("{:#}", anyhow::Error::new(e)),
+        }
+    }
+
+    /// The API answers `error` instead of a table until a scan succeeds again.
+    fn publish_failure(&self, error: String) {
+        self.published.send_modify(|p| {
+            p.table = TableView::Failed(error.clone());
+            p.last_scan_error = Some(error);
+        });
     }
 
     /// Active opens since the last scan into the storm tracker, and close its window (the

@@ -46,7 +46,7 @@ impl Supervisor {
     }
 }
 
-fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
+pub fn panic_message(p: Box<dyn std::any::Any + Send>) -> String {
     p.downcast_ref::<&str>()
         .map(|s| s.to_string())
         .or_else(|| p.downcast_ref::<String>().cloned())

@@ -47,32 +47,62 @@ impl Agent {
         config: &Config,
         setup: impl FnOnce(&mut Command),
     ) -> Agent {
-        Agent::launch(Some(ns), dir, config, setup)
+        Agent::launch(Some(ns), dir, config, None, setup)
+    }
+
+    /// [`Agent::start_with`] as systemd starts a `Type=notify` service with `WatchdogSec=`:
+    /// `NOTIFY_SOCKET=notify`, `WATCHDOG_USEC` and `WATCHDOG_PID` (the agent's own pid: a `sh`
+    /// sets it, then execs the agent in its place).
+    pub fn start_notify(
+        ns: &NetNs,
+        dir: &TempDir,
+        config: &Config,
+        notify: &std::path::Path,
+        watchdog: Duration,
+        setup: impl FnOnce(&mut Command),
+    ) -> Agent {
+        Agent::launch(
+            Some(ns),
+            dir,
+            config,
+            Some(r#"WATCHDOG_PID=$$ exec "$0" "$@""#),
+            |cmd| {
+                cmd.env("NOTIFY_SOCKET", notify)
+                    .env("WATCHDOG_USEC", watchdog.as_micros().to_string());
+                setup(cmd);
+            },
+        )
     }
 
     /// [`Agent::start`] in the host's network namespace (this test process's), as connreap
     /// runs in production next to containers. Give the config a free port with
     /// [`Config::listen`]: [`super::API`] may be taken there.
     pub fn start_in_host(dir: &TempDir, config: &Config) -> Agent {
-        Agent::launch(None, dir, config, |_| {})
+        Agent::launch(None, dir, config, None, |_| {})
     }
 
+    /// `sh`: a shell script that execs `"$0" "$@"` (the agent and its arguments) after setting
+    /// something only known once the process exists.
     fn launch(
         ns: Option<&NetNs>,
         dir: &TempDir,
         config: &Config,
+        sh: Option<&str>,
         setup: impl FnOnce(&mut Command),
     ) -> Agent {
         let path = dir.write("connreap.toml", &config.to_string());
-        let mut cmd = match ns {
-            Some(ns) => ns.connreap(["run", "--config"]),
-            None => {
-                let mut c = Command::new(connreap_bin());
-                c.args(["run", "--config"]);
-                c
-            }
+        let program = match sh {
+            Some(_) => std::ffi::OsString::from("sh"),
+            None => connreap_bin().into(),
         };
-        cmd.arg(&path);
+        let mut cmd = match ns {
+            Some(ns) => ns.command(&program),
+            None => Command::new(&program),
+        };
+        if let Some(script) = sh {
+            cmd.args(["-c", script]).arg(connreap_bin());
+        }
+        cmd.args(["run", "--config"]).arg(&path);
         setup(&mut cmd);
         let mut agent = Agent {
             child: Child::spawn(&mut cmd, "connreap run"),

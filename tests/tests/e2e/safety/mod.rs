@@ -11,6 +11,7 @@ mod api_limits;
 mod audit_growth;
 mod audit_repair;
 mod config;
+mod failing;
 mod faults;
 mod lock;
 mod pins;
