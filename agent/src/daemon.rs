@@ -115,7 +115,8 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
 
     let (published, _) = watch::channel(api::Published::default());
     let scan_loop = ScanLoop {
-        quotas: QuotaFeeds::spawn(&cfg, &tasks),
+        quotas: QuotaFeeds::spawn(&cfg, &tasks)
+            .context("cannot build the quota sources' HTTP client")?,
         cfg: cfg.clone(),
         host,
         engine: engine.clone(),

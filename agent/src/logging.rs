@@ -23,6 +23,43 @@ pub enum LogFormat {
     Json,
 }
 
+/// An error that can repeat many times in a burst (a webhook queue overflowing): logged once
+/// at once, then at most once per `every` with how many happened since the last line.
+#[derive(Debug)]
+pub struct Repeats {
+    every: std::time::Duration,
+    last_line: Option<std::time::Instant>,
+    /// Events since the last line.
+    pending: u64,
+}
+
+impl Repeats {
+    pub fn new(every: std::time::Duration) -> Repeats {
+        Repeats {
+            every,
+            last_line: None,
+            pending: 0,
+        }
+    }
+
+    /// Count one event; [`Repeats::due`] says when to log it.
+    pub fn record(&mut self) {
+        self.pending += 1;
+    }
+
+    /// Events counted but not yet logged, once `every` has passed since the last line.
+    pub fn due(&mut self, now: std::time::Instant) -> Option<u64> {
+        let due = self
+            .last_line
+            .is_none_or(|t| now.saturating_duration_since(t) >= self.every);
+        if self.pending == 0 || !due {
+            return None;
+        }
+        self.last_line = Some(now);
+        Some(std::mem::take(&mut self.pending))
+    }
+}
+
 /// How log lines are written.
 #[derive(Debug, Clone, Copy)]
 pub struct Options {
@@ -277,6 +314,24 @@ mod tests {
     use std::sync::{Arc, Mutex};
 
     use super::*;
+
+    #[test]
+    fn repeats_log_the_first_at_once_then_one_line_per_interval_with_the_count() {
+        let t0 = std::time::Instant::now();
+        let s = std::time::Duration::from_secs;
+        let mut r = Repeats::new(s(10));
+        r.record();
+        assert_eq!(r.due(t0), Some(1));
+        for i in 1..147 {
+            r.record();
+            assert_eq!(r.due(t0 + std::time::Duration::from_millis(i)), None);
+        }
+        assert_eq!(r.due(t0 + s(5)), None);
+        assert_eq!(r.due(t0 + s(10)), Some(146));
+        assert_eq!(r.due(t0 + s(30)), None, "nothing new: no line");
+        r.record();
+        assert_eq!(r.due(t0 + s(31)), Some(1));
+    }
 
     /// A writer into a shared buffer.
     #[derive(Clone, Default)]

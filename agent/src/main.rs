@@ -205,7 +205,7 @@ fn reclaim_once(
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let client = reqwest::Client::builder().no_proxy().build()?;
+    let client = quota::http_client().context("cannot build the quota sources' HTTP client")?;
     let now = chrono::Utc::now();
     let quotas: Vec<quota::QuotaStatus> = cfg
         .quota

@@ -25,20 +25,21 @@ pub struct QuotaFeeds {
 }
 
 impl QuotaFeeds {
-    /// Start one poller task per HTTP source of `cfg`.
-    pub fn spawn(cfg: &Config, tasks: &Supervisor) -> QuotaFeeds {
+    /// Start one poller task per HTTP source of `cfg`. Err: the HTTP client cannot be built.
+    pub fn spawn(cfg: &Config, tasks: &Supervisor) -> Result<QuotaFeeds, reqwest::Error> {
+        let client = quota::http_client()?;
         let feeds = cfg
             .quota
             .iter()
             .filter(|q| q.is_http())
             .map(|q| {
                 let (tx, rx) = watch::channel(None);
-                let task = poll_forever(q.clone(), cfg.agent.scan_interval, tx);
+                let task = poll_forever(client.clone(), q.clone(), cfg.agent.scan_interval, tx);
                 tasks.spawn(format!("quota poller {}", q.name), task);
                 (q.name.clone(), rx)
             })
             .collect();
-        QuotaFeeds { feeds }
+        Ok(QuotaFeeds { feeds })
     }
 
     /// The last reading of source `name`; None before its first poll finished.
@@ -50,14 +51,11 @@ impl QuotaFeeds {
 }
 
 async fn poll_forever(
+    client: reqwest::Client,
     cfg: QuotaConfig,
     scan_interval: Duration,
     out: watch::Sender<Option<QuotaStatus>>,
 ) {
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .build()
-        .unwrap_or_default();
     let interval = quota::poll_interval(&cfg, scan_interval);
     let timeout = quota::timeout(&cfg, scan_interval);
     let mut ticker = tokio::time::interval(interval);
@@ -157,9 +155,7 @@ fn poll_here(
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start a runtime to poll in the namespace: {e}"))?;
-    let client = reqwest::Client::builder()
-        .no_proxy()
-        .build()
+    let client = quota::http_client()
         .map_err(|e| format!("cannot make an HTTP client in the namespace: {e}"))?;
     Ok(rt.block_on(quota::poll(&client, cfg, timeout, previous)))
 }
@@ -183,7 +179,7 @@ mod tests {
     }
 
     async fn poll(cfg: &QuotaConfig) -> QuotaStatus {
-        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let client = quota::http_client().expect("client");
         poll_once(&client, cfg, Duration::from_secs(5), None, &mut None).await
     }
 
@@ -212,7 +208,7 @@ mod tests {
             error: None,
         };
         let cfg = source(url, "netns = \"connreap-no-such-netns\"");
-        let client = reqwest::Client::builder().no_proxy().build().unwrap();
+        let client = quota::http_client().expect("client");
         let t = Duration::from_secs(1);
         let q = poll_once(&client, &cfg, t, Some(&previous), &mut None).await;
         assert_eq!(

@@ -321,6 +321,18 @@ pub fn timeout(cfg: &QuotaConfig, scan_interval: Duration) -> Duration {
         .unwrap_or_else(|| poll_interval(cfg, scan_interval).min(Duration::from_secs(5)))
 }
 
+/// The HTTP client quota sources are polled with: no proxy (a status port is local to the
+/// host or the pod), no redirect followed (a source answers where it was asked), and
+/// connreap's user agent. Building it fails only when the TLS backend cannot start: an error
+/// at start, never a silently different client.
+pub fn http_client() -> Result<reqwest::Client, reqwest::Error> {
+    reqwest::Client::builder()
+        .no_proxy()
+        .redirect(reqwest::redirect::Policy::none())
+        .user_agent(concat!("connreap/", env!("CARGO_PKG_VERSION")))
+        .build()
+}
+
 /// Poll one HTTP source once. Never fails: problems become `error`.
 pub async fn poll(
     client: &reqwest::Client,

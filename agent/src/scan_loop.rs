@@ -231,6 +231,7 @@ impl ScanLoop {
                 return Err(e);
             }
         };
+        self.webhooks.log_drops();
         let queued = self.webhooks.queued();
         self.published.send_modify(|p| {
             p.sockets = table.len();

@@ -5,8 +5,8 @@ mod receiver;
 
 use std::{
     collections::VecDeque,
-    sync::{Arc, Mutex},
-    time::Duration,
+    sync::{Arc, Mutex, MutexGuard, PoisonError},
+    time::{Duration, Instant},
 };
 
 use serde_json::{json, Value};
@@ -14,6 +14,7 @@ use tokio::sync::Notify;
 
 use crate::{
     config::{AlertsConfig, WebhookConfig, WebhookFormat},
+    logging::Repeats,
     metrics::Metrics,
     notify::{Alert, Notification, Reclaimed, Status},
     present::rfc3339,
@@ -199,6 +200,34 @@ struct Queue {
     capacity: usize,
     /// The receiver's name in logs and metrics ([`receiver::name`]).
     receiver: String,
+    /// Notifications dropped on overflow, logged as a count per interval.
+    drops: Mutex<Repeats>,
+}
+
+/// At most one "queue full" line per receiver per this long (each drop is counted in
+/// `connreap_webhook_dropped_total` at once).
+const DROP_LOG_EVERY: Duration = Duration::from_secs(10);
+
+impl Queue {
+    /// The queue. A panic while it was held (poisoning) leaves a deque that is still whole
+    /// (every change to it is one call), so every user takes it as it is: delivery goes on.
+    fn items(&self) -> MutexGuard<'_, VecDeque<Item>> {
+        self.items.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Log the drops counted and not yet logged, if one interval has passed since the last line.
+    fn log_drops(&self, now: Instant, last: Option<&str>) {
+        let due = self
+            .drops
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .due(now);
+        if let Some(n) = due {
+            tracing::error!(receiver = %self.receiver, capacity = self.capacity, dropped = n,
+                last_dropped = last.unwrap_or(""),
+                "webhook queue full: dropped the oldest notifications (each counted in connreap_webhook_dropped_total)");
+        }
+    }
 }
 
 /// Handle to every receiver's queue.
@@ -234,6 +263,7 @@ impl Webhooks {
                 notify: Notify::new(),
                 capacity: alerts.queue_capacity,
                 receiver: receiver::name(&cfg.url),
+                drops: Mutex::new(Repeats::new(DROP_LOG_EVERY)),
             });
             metrics.webhook_receiver(&q.receiver);
             let sender = deliver(
@@ -274,7 +304,7 @@ impl Webhooks {
 
     fn enqueue(&self, q: &Queue, item: Item) {
         let dropped = {
-            let mut items = q.items.lock().unwrap_or_else(|e| e.into_inner());
+            let mut items = q.items();
             items.push_back(item);
             if items.len() > q.capacity {
                 items.pop_front()
@@ -283,8 +313,11 @@ impl Webhooks {
             }
         };
         if let Some(d) = dropped {
-            tracing::error!(receiver = %q.receiver, capacity = q.capacity, dropped = %d.key,
-                "webhook queue full: dropped the oldest notification");
+            q.drops
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .record();
+            q.log_drops(Instant::now(), Some(&d.key));
             if let Some(m) = &self.metrics {
                 m.webhook_dropped(&q.receiver);
             }
@@ -305,10 +338,16 @@ impl Webhooks {
     }
 
     pub fn queued(&self) -> usize {
-        self.receivers
-            .iter()
-            .map(|(_, q)| q.items.lock().map(|i| i.len()).unwrap_or(0))
-            .sum()
+        self.receivers.iter().map(|(_, q)| q.items().len()).sum()
+    }
+
+    /// Log the queue overflows not yet logged whose interval has passed (called every scan, so
+    /// the count of a burst is written even when no more drops follow).
+    pub fn log_drops(&self) {
+        let now = Instant::now();
+        for (_, q) in &self.receivers {
+            q.log_drops(now, None);
+        }
     }
 }
 
@@ -331,7 +370,7 @@ async fn deliver(
 ) {
     let mut backoff = MIN_BACKOFF;
     loop {
-        let next = q.items.lock().ok().and_then(|i| i.front().cloned());
+        let next = q.items().front().cloned();
         let Some(item) = next else {
             q.notify.notified().await;
             continue;
@@ -340,7 +379,8 @@ async fn deliver(
         match result {
             Ok(resp) if resp.status().is_success() => {
                 metrics.webhook_sent(&q.receiver, true);
-                if let Ok(mut items) = q.items.lock() {
+                {
+                    let mut items = q.items();
                     // Pop only if the head is still ours (it may have been dropped meanwhile).
                     if items.front() == Some(&item) {
                         items.pop_front();

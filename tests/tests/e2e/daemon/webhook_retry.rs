@@ -133,3 +133,69 @@ fn delivered_once_the_receiver_is_up(agent: &Agent, hook: &WebhookReceiver, cw: 
     );
     b["fingerprint"].clone()
 }
+
+/// A burst of notifications overflows the queue of a receiver that is down: each drop is
+/// counted at once, the log says so once at once and then once per interval with the count,
+/// not one ERROR line per dropped notification.
+#[test]
+fn a_queue_overflow_is_logged_as_counts_not_one_line_per_drop() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    let ns = NetNs::new("hookfull");
+    let dir = TempDir::new("hookfull");
+    let _hook = WebhookReceiver::new_stopped_in_netns(ns.name(), addr(HOOK));
+    const PORTS: u16 = 8;
+    let pools: Vec<_> = (0..PORTS)
+        .map(|i| {
+            let a = format!("127.0.0.1:{}", 7610 + i);
+            peer(&ns, &["close-wait", "--addr", &a, "--count", "2"])
+        })
+        .collect();
+    let config = Config::alerting(&dir)
+        .detect("close_wait_min_age = \"1s\"\nclose_wait_threshold = 2")
+        .alerts("queue_capacity = 1");
+    let mut agent = Agent::start(&ns, &dir, &config);
+    let series = format!(r#"connreap_webhook_dropped_total{{receiver="http://{HOOK}/alerts"}}"#);
+    // One per port fires; the queue holds one (the sender may hold another in flight).
+    let dropped = wait_until(FINDING, POLL, || {
+        agent.assert_alive();
+        let n = agent.metric(&series).unwrap_or(0.0);
+        (n >= f64::from(PORTS) - 2.0).then_some(n)
+    })
+    .unwrap_or_else(|| panic!("the queue never overflowed:\n{}", agent.ctx()));
+    let lines = |log: &str| -> Vec<u64> {
+        log.lines()
+            .filter(|l| l.contains("webhook queue full"))
+            .map(|l| {
+                let n = l
+                    .split_whitespace()
+                    .find_map(|w| w.strip_prefix("dropped="))
+                    .unwrap_or_else(|| panic!("no dropped= field: {l}"));
+                n.parse()
+                    .unwrap_or_else(|_| panic!("dropped={n} is not a count: {l}"))
+            })
+            .collect()
+    };
+    let first = lines(&agent.stderr());
+    assert_eq!(
+        first.len(),
+        1,
+        "{dropped} drops must give one line at once, not one each:\n{}",
+        agent.stderr()
+    );
+    // Within one interval (10 s) and a scan, the rest of the burst is written as one count.
+    let counted = wait_until(Duration::from_secs(15), POLL, || {
+        let l = lines(&agent.stderr());
+        let total = l.iter().sum::<u64>() as f64;
+        (l.len() == 2 && total == agent.metric(&series).unwrap_or(-1.0)).then_some(l)
+    });
+    assert!(
+        counted.is_some(),
+        "the log's counts never added up to {series} ({:?}) in two lines:\n{}",
+        agent.metric(&series),
+        agent.stderr()
+    );
+    drop(pools);
+    agent.assert_alive();
+}
