@@ -175,7 +175,7 @@ impl Tracker {
     /// [`Tracker::update_with`] saying nothing more at resolution than that it cleared.
     #[cfg(test)]
     pub fn update(&mut self, findings: Vec<Finding>, now: Instant, wall: DateTime<Utc>) -> Update {
-        self.update_with(findings, now, wall, &|_| None)
+        self.update_with(findings, now, wall, &|_, _| None)
     }
 
     /// One scan's findings. `resolution` gives, for a finding that cleared, the figures now
@@ -185,7 +185,7 @@ impl Tracker {
         findings: Vec<Finding>,
         now: Instant,
         wall: DateTime<Utc>,
-        resolution: &dyn Fn(&Finding) -> Option<String>,
+        resolution: &dyn Fn(&Finding, DateTime<Utc>) -> Option<String>,
     ) -> Update {
         let mut current = Vec::new();
         let mut notify = Vec::new();
@@ -209,7 +209,10 @@ impl Tracker {
                     // receivers get it again at once (they forget what is not re-posted).
                     let started_at = self.inherited.remove(v.key()).unwrap_or(wall);
                     let f = &alert.finding;
+                    let l = LogFields::of(f);
                     tracing::info!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, %started_at,
+                        pid = l.pid, comm = l.comm, port = f.service_port, netns = %l.netns,
+                        container = l.container, pod = l.pod.as_deref(), count = f.count,
                         "still firing since before the restart");
                     alert.started_at = started_at;
                     v.insert(Active {
@@ -224,7 +227,11 @@ impl Tracker {
                 }
                 Entry::Vacant(v) => {
                     let f = &alert.finding;
-                    tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, "firing: {}", f.summary);
+                    let l = LogFields::of(f);
+                    tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint,
+                        pid = l.pid, comm = l.comm, port = f.service_port, netns = %l.netns,
+                        container = l.container, pod = l.pod.as_deref(), count = f.count,
+                        "firing: {}", f.summary);
                     v.insert(Active {
                         started_at: wall,
                         started: now,
@@ -257,10 +264,13 @@ impl Tracker {
         }
         for key in gone {
             if let Some(a) = self.active.remove(&key) {
-                tracing::info!(fingerprint = %key, "resolved");
                 let mut finding = a.last;
+                let l = LogFields::of(&finding);
+                tracing::info!(kind = finding.kind.as_str(), fingerprint = %key,
+                    pid = l.pid, comm = l.comm, port = finding.service_port, netns = %l.netns,
+                    container = l.container, pod = l.pod.as_deref(), "resolved");
                 let held = crate::present::human(now.duration_since(a.started));
-                finding.summary = match resolution(&finding) {
+                finding.summary = match resolution(&finding, a.started_at) {
                     Some(now_text) => format!("resolved after {held}: {now_text}"),
                     None => format!(
                         "resolved after {held}: no longer found (last seen: count {}, oldest {})",
@@ -294,7 +304,11 @@ impl Tracker {
             .filter(|(_, waits)| !*waits || since_sent >= c.renotify);
         if let Some((text, _)) = &change {
             let f = &alert.finding;
-            tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, change = %text, "changed: {}", f.summary);
+            let l = LogFields::of(f);
+            tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, change = %text,
+                pid = l.pid, comm = l.comm, port = f.service_port, netns = %l.netns,
+                container = l.container, pod = l.pod.as_deref(), count = f.count,
+                "changed: {}", f.summary);
         }
         if change.is_some() || since_sent >= c.repeat {
             alert.change = change.map(|(text, _)| text);
@@ -314,6 +328,38 @@ impl Tracker {
     #[cfg(test)]
     pub fn firing(&self) -> usize {
         self.active.len()
+    }
+}
+
+/// A finding's main owner and place as log fields, so log tools can filter on them: values,
+/// not debug text (a field with no value is left out). Text written to the log is escaped by
+/// the log format itself.
+struct LogFields<'a> {
+    pid: Option<u32>,
+    comm: Option<&'a str>,
+    /// Its name, "host", or its inode.
+    netns: String,
+    /// The short container id.
+    container: Option<&'a str>,
+    /// `namespace/name`.
+    pod: Option<String>,
+}
+
+impl<'a> LogFields<'a> {
+    fn of(f: &'a Finding) -> LogFields<'a> {
+        let owner = f.processes.first();
+        let c = f.container.as_ref();
+        LogFields {
+            pid: owner.and_then(|p| p.pid),
+            comm: owner.map(|p| p.comm.as_str()),
+            netns: f.netns_label(),
+            container: c.map(|c| c.short_id()),
+            pod: c.and_then(|c| match (&c.pod_namespace, &c.pod_name) {
+                (Some(ns), Some(n)) => Some(format!("{ns}/{n}")),
+                (None, Some(n)) => Some(n.clone()),
+                _ => None,
+            }),
+        }
     }
 }
 

@@ -138,7 +138,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     let listener = tokio::net::TcpListener::bind(cfg.agent.listen)
         .await
         .with_context(|| format!("cannot listen on {} (agent.listen)", cfg.agent.listen))?;
-    tracing::info!(config = %source, listen = %cfg.agent.listen, scan_interval = ?cfg.agent.scan_interval,
+    tracing::info!(config = %source, listen = %cfg.agent.listen, scan_interval = %humantime::format_duration(cfg.agent.scan_interval),
         quotas = cfg.quota.len(), webhooks = cfg.webhook.len(), "connreap running");
     // On a signal everything stops at once: no new scan or reclaim round starts (a round in
     // progress has already written its kill intents), the API closes; queued notifications

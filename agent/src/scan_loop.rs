@@ -75,6 +75,12 @@ fn check_watchdog_interval(
     Ok(())
 }
 
+/// At most one "scan failed" line per this long while scans keep failing (the line counts them).
+const ERROR_LOG_EVERY: Duration = Duration::from_secs(60);
+
+/// How long a kill is remembered for the resolved text of a quota alert.
+const FREED_KEPT_MINUTES: i64 = 30;
+
 /// State carried from one scan to the next.
 struct Carry {
     alerts: Tracker,
@@ -85,6 +91,8 @@ struct Carry {
     storm: StormTracker,
     window_start: Instant,
     failures: Failures,
+    /// Scan and round errors, logged once at once then as a count per interval.
+    errors: crate::logging::Repeats,
     /// Why the daemon is failing, as last logged.
     fatal: Option<String>,
 }
@@ -105,6 +113,7 @@ impl ScanLoop {
             storm: StormTracker::default(),
             window_start: Instant::now(),
             failures: Failures::default(),
+            errors: crate::logging::Repeats::new(ERROR_LOG_EVERY),
             fatal: None,
         };
         let mut watchdog_usec = 0u64;
@@ -169,7 +178,10 @@ impl ScanLoop {
             Err(e) => {
                 self.metrics.scan_errors.inc();
                 let e = self.describe(e);
-                tracing::error!(error = %e, "scan failed");
+                carry.errors.record();
+                if let Some(n) = carry.errors.due(Instant::now()) {
+                    tracing::error!(error = %e, failures = n, "scan failed");
+                }
                 self.publish_failure(e.clone());
                 return Err(e);
             }
@@ -182,6 +194,7 @@ impl ScanLoop {
             &namespaces.known,
         );
         carry.window_start = t0;
+        let freed = self.freed(&quotas);
         let findings = detect::run(
             &detect::Input {
                 table: &table,
@@ -190,6 +203,7 @@ impl ScanLoop {
                 quotas: &quotas,
                 storm: &carry.storm,
                 nat: Some(&crate::kernel::procfs::conntrack),
+                freed: &freed,
             },
             &mut carry.memory,
         );
@@ -199,11 +213,12 @@ impl ScanLoop {
         self.metrics.observe_programs(&programs);
         self.metrics.observe_namespaces(&namespaces);
         let cfg = &self.cfg.detect;
-        let update = carry
-            .alerts
-            .update_with(findings, Instant::now(), chrono::Utc::now(), &|f| {
-                detect::resolution(f, cfg, &quotas)
-            });
+        let update =
+            carry
+                .alerts
+                .update_with(findings, Instant::now(), chrono::Utc::now(), &|f, since| {
+                    detect::resolution(f, since, cfg, &quotas, &freed)
+                });
         let firing = carry.alerts.firing_since();
         if firing != carry.firing_saved {
             let path = crate::alert::firing_path(&self.cfg.reclaim.audit_log);
@@ -226,7 +241,10 @@ impl ScanLoop {
                 // The table went to the engine with the request: publish the failure, never an
                 // empty table (that would read as "no sockets").
                 let e = self.describe(e);
-                tracing::error!(error = %e, "reclaim rounds failed");
+                carry.errors.record();
+                if let Some(n) = carry.errors.due(Instant::now()) {
+                    tracing::error!(error = %e, failures = n, "reclaim rounds failed");
+                }
                 self.publish_failure(format!("reclaim rounds failed: {e}"));
                 return Err(e);
             }
@@ -288,6 +306,31 @@ impl ScanLoop {
         }
         storm.set_namespaces(namespaces);
         storm.close_window(window, &self.cfg.detect, table);
+    }
+
+    /// The connections recent reclaim rounds (scheduled or asked for) closed for a quota whose
+    /// reading is not yet newer than the kill, from the reclaimer's recent decisions.
+    fn freed(&self, quotas: &[QuotaStatus]) -> Vec<detect::Freed> {
+        let status = self.engine.status.borrow();
+        status
+            .recent
+            .iter()
+            .filter(|d| d.result == crate::reclaim::Outcome::Killed)
+            .filter_map(|d| {
+                let q = d.quota.as_ref()?;
+                let reading = quotas.iter().find(|s| s.name == q.name)?.last_poll;
+                // Older kills are in the reading already; kept only while an alert that fired
+                // before them may still resolve (its text says what the reclaim did).
+                let keep = reading.is_none_or(|t| d.time >= t)
+                    || chrono::Utc::now() - d.time < chrono::Duration::minutes(FREED_KEPT_MINUTES);
+                keep.then(|| detect::Freed {
+                    quota: q.name.clone(),
+                    port: q.port,
+                    policy: d.policy.clone(),
+                    at: d.time,
+                })
+            })
+            .collect()
     }
 
     /// Every quota source's reading: HTTP sources from their pollers, static ones counted from

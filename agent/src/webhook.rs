@@ -400,7 +400,7 @@ async fn deliver(
                     Err(e) => receiver::Failure::error(&e, timeout),
                 };
                 tracing::warn!(receiver = %q.receiver, cause = %why.cause, error = why.detail.as_deref(),
-                    retry_in = ?backoff, "webhook delivery failed; will retry");
+                    retry_in = %humantime::format_duration(backoff), "webhook delivery failed; will retry");
                 tokio::time::sleep(backoff).await;
                 backoff = next_backoff(backoff, max_backoff);
             }

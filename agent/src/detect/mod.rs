@@ -125,6 +125,44 @@ pub struct QuotaRef {
     pub name: String,
     pub used: u64,
     pub limit: u64,
+    /// The entry's port (the quota source's own port number), when it is one entry's.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub port: Option<u16>,
+}
+
+/// A connection a reclaim round closed for a quota, as the quota detector needs it: until the
+/// source's next reading, the reading still counts it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Freed {
+    pub quota: String,
+    /// The quota entry's port (see [`QuotaRef::port`]).
+    pub port: Option<u16>,
+    pub policy: String,
+    pub at: chrono::DateTime<chrono::Utc>,
+}
+
+impl Freed {
+    /// Whether this kill belongs to entry `port` of quota `name` and came after `since`.
+    pub fn of(&self, name: &str, port: u16, since: Option<chrono::DateTime<chrono::Utc>>) -> bool {
+        self.quota == name
+            && self.port.is_none_or(|p| p == port)
+            && since.is_none_or(|t| self.at >= t)
+    }
+}
+
+/// "8 connections freed by reclaim (policy relay-leaks)": what `freed` did, or None.
+pub fn freed_text(freed: &[&Freed]) -> Option<String> {
+    freed.first()?;
+    let mut policies: Vec<&str> = freed.iter().map(|f| f.policy.as_str()).collect();
+    policies.sort_unstable();
+    policies.dedup();
+    Some(format!(
+        "{} connection{} freed by reclaim (polic{} {})",
+        freed.len(),
+        if freed.len() == 1 { "" } else { "s" },
+        if policies.len() == 1 { "y" } else { "ies" },
+        policies.join(", ")
+    ))
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -151,6 +189,9 @@ pub enum Verdict {
     /// Not known yet: too many connections are younger than the idle threshold for their
     /// idleness to tell (`verdict_known_in_secs` says when it will be known).
     Pending,
+    /// A reclaim closed some of its connections after the source's last reading: that reading
+    /// still counts them; the next one tells.
+    Reclaimed,
 }
 
 impl Verdict {
@@ -159,6 +200,7 @@ impl Verdict {
             Verdict::Leak => "leak",
             Verdict::Load => "load",
             Verdict::Pending => "pending",
+            Verdict::Reclaimed => "reclaimed",
         }
     }
 }
@@ -400,6 +442,8 @@ pub struct Input<'a> {
     pub storm: &'a StormTracker,
     /// The host's translated connections (conntrack), read only if a pairing needs them.
     pub nat: Option<&'a dyn Fn() -> Vec<Nat>>,
+    /// Connections recent reclaim rounds closed for quotas.
+    pub freed: &'a [Freed],
 }
 
 /// How the sockets of one table relate: the other end of each connection (across namespaces
@@ -560,6 +604,7 @@ mod merge_tests {
             quotas: &[],
             storm: &storm,
             nat: None,
+            freed: &[],
         };
         let f = run(&input, &mut Memory::default());
         assert_eq!(f.len(), 1, "{f:?}");
@@ -606,6 +651,7 @@ mod merge_tests {
                 quotas: &[],
                 storm: &storm,
                 nat: None,
+                freed: &[],
             };
             let f = run(&input, &mut Memory::default());
             assert_eq!(f.len(), 2, "{f:?}");

@@ -6,7 +6,7 @@ use rustc_hash::FxHashMap;
 use super::{
     describe_owners, oldest_briefs, processes,
     upstream::{self, Upstream},
-    Finding, Input, Kind, OrphanCounts, QuotaRef, Relations, Verdict, MAX_SOCKETS,
+    Finding, Freed, Input, Kind, OrphanCounts, QuotaRef, Relations, Verdict, MAX_SOCKETS,
 };
 use crate::{
     config::QuotaConfig,
@@ -87,7 +87,16 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
                             .is_none_or(|h| quiet(h.accepted) && quiet(h.origin))
                 })
                 .collect();
-            let (verdict, known_in) = verdict(&conns, idle.len(), cfg.quota_idle_min);
+            // Connections a reclaim closed after this reading: it still counts them.
+            let freed: Vec<&Freed> = input
+                .freed
+                .iter()
+                .filter(|f| f.of(&status.name, entry.port, status.last_poll))
+                .collect();
+            let (verdict, known_in) = match freed.is_empty() {
+                true => verdict(&conns, idle.len(), cfg.quota_idle_min),
+                false => (Verdict::Reclaimed, None),
+            };
             let ends: Vec<&Socket> = conns
                 .iter()
                 .flat_map(|s| [Some(*s), other_end.get(&s.skaddr).copied()])
@@ -107,6 +116,11 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
             let procs = processes(ends.iter().copied().chain(up.hops.iter().map(|h| h.origin)));
             let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
             let mut summary = summary(qcfg, &scope, entry, &conns, &idle, &other_end, cfg);
+            if let Some(text) = super::freed_text(&freed) {
+                summary.push_str(&format!(
+                    "; {text} since this reading, which still counts them"
+                ));
+            }
             if !feeders.is_empty() && !mapped {
                 summary.push_str(&format!("; {}", upstream::describe(&feeders)));
             } else if let Some(o) = &orphans {
@@ -116,7 +130,12 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
                     super::downstream::counts_text(o.orphaned, o.serving, o.ambiguous)
                 ));
             }
-            summary.push_str(&verdict_text(verdict, known_in, cfg.quota_idle_min));
+            summary.push_str(&verdict_text(
+                verdict,
+                known_in,
+                cfg.quota_idle_min,
+                conns.is_empty(),
+            ));
             let mut f = Finding::new(
                 Kind::QuotaExhaustedByLeak,
                 &format!("{}:{}{}", status.name, entry.port, scope.fingerprint_part()),
@@ -131,6 +150,7 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
                 name: status.name.clone(),
                 used: entry.used,
                 limit: entry.limit,
+                port: Some(entry.port),
             });
             // Both the quota's own connections and the hop that feeds them, half the list each
             // when there is a hop (one list sorted by age could hold only one side). The hop's
@@ -310,10 +330,19 @@ fn verdict(conns: &[&Socket], idle: usize, idle_min: Duration) -> (Verdict, Opti
     (Verdict::Pending, young.iter().max().copied())
 }
 
-fn verdict_text(verdict: Verdict, known_in: Option<Duration>, idle_min: Duration) -> String {
+fn verdict_text(
+    verdict: Verdict,
+    known_in: Option<Duration>,
+    idle_min: Duration,
+    none_here: bool,
+) -> String {
     match verdict {
         Verdict::Leak => "; verdict: leak".into(),
+        Verdict::Load if none_here => {
+            "; verdict: load (not leaked here: none of its connections are on this host)".into()
+        }
         Verdict::Load => "; verdict: load (connections are busy)".into(),
+        Verdict::Reclaimed => "; verdict: reclaimed (the source's next reading tells)".into(),
         Verdict::Pending => format!(
             "; verdict: pending (connections younger than quota_idle_min {}; known in ≤ {})",
             human(idle_min),
@@ -384,6 +413,16 @@ limit = 4
     }
 
     fn run(table: &[Socket], used: u64, limit: u64, quota_cfgs: &[QuotaConfig]) -> Vec<Finding> {
+        run_freed(table, used, limit, quota_cfgs, &[])
+    }
+
+    fn run_freed(
+        table: &[Socket],
+        used: u64,
+        limit: u64,
+        quota_cfgs: &[QuotaConfig],
+        freed: &[Freed],
+    ) -> Vec<Finding> {
         let cfg = DetectConfig::default();
         let storm = StormTracker::default();
         let quotas = vec![QuotaStatus {
@@ -405,8 +444,36 @@ limit = 4
             quotas: &quotas,
             storm: &storm,
             nat: None,
+            freed,
         };
         detect(&input, &Relations::new(table))
+    }
+
+    #[test]
+    fn after_a_reclaim_a_stale_reading_says_so_not_load() {
+        // The reclaim closed every connection; the reading (taken before) still says 64/64.
+        let kill = Freed {
+            quota: "relay".into(),
+            port: Some(21000),
+            policy: "relay-leaks".into(),
+            at: chrono::Utc::now(),
+        };
+        let f = run_freed(&[], 64, 64, &cfgs(), &vec![kill; 8]);
+        assert_eq!(f.len(), 1);
+        assert_eq!(f[0].verdict, Some(Verdict::Reclaimed), "{}", f[0].summary);
+        assert!(
+            f[0].summary.contains("8 connections freed by reclaim (policy relay-leaks) since this reading, which still counts them; verdict: reclaimed"),
+            "{}", f[0].summary
+        );
+        // Without a reclaim, no connection here is not "busy".
+        let f = run(&[], 64, 64, &cfgs());
+        assert!(
+            f[0].summary.ends_with(
+                "verdict: load (not leaked here: none of its connections are on this host)"
+            ),
+            "{}",
+            f[0].summary
+        );
     }
 
     #[test]
@@ -421,7 +488,8 @@ limit = 4
             Some(QuotaRef {
                 name: "relay".into(),
                 used: 64,
-                limit: 64
+                limit: 64,
+                port: Some(21000),
             })
         );
         assert_eq!(f.count, 64);
@@ -502,6 +570,7 @@ limit = 4
                 quotas: &[st],
                 storm: &storm,
                 nat: None,
+                freed: &[],
             },
             &Relations::new(&t),
         );

@@ -1,16 +1,33 @@
 //! What a resolved notification says: the figures when the finding cleared, not a copy of the
 //! firing text.
-use super::{Finding, Kind};
+use chrono::{DateTime, Utc};
+
+use super::{Finding, Freed, Kind};
 use crate::{config::DetectConfig, present::human, quota::QuotaStatus};
 
 /// The state of things when `f` cleared: the quota's reading now for a quota finding, else
 /// the threshold it no longer reaches.
-pub fn resolution(f: &Finding, cfg: &DetectConfig, quotas: &[QuotaStatus]) -> Option<String> {
+/// `freed`: connections reclaim rounds closed for quotas; those since the alert started
+/// (`since`) are named: they are why a quota alert resolves.
+pub fn resolution(
+    f: &Finding,
+    since: DateTime<Utc>,
+    cfg: &DetectConfig,
+    quotas: &[QuotaStatus],
+    freed: &[Freed],
+) -> Option<String> {
     let last = format!("last seen: count {}", f.count);
     Some(match f.kind {
         Kind::QuotaExhaustedByLeak => {
             let q = f.quota.as_ref()?;
             let status = quotas.iter().find(|s| s.name == q.name)?;
+            let by_reclaim: Vec<&Freed> = freed
+                .iter()
+                .filter(|x| x.of(&q.name, f.service_port.unwrap_or_default(), Some(since)))
+                .collect();
+            let by_reclaim = super::freed_text(&by_reclaim)
+                .map(|t| format!("; {t} while it fired"))
+                .unwrap_or_default();
             if let Some(e) = &status.error {
                 return Some(format!(
                     "quota {} cannot be read ({e}), so it is no longer known to be saturated ({last} of {})",
@@ -23,7 +40,7 @@ pub fn resolution(f: &Finding, cfg: &DetectConfig, quotas: &[QuotaStatus]) -> Op
                 .find(|e| Some(e.port) == f.service_port)
             {
                 Some(e) => format!(
-                    "{} quota on port {} now at {}/{}, below quota_saturation {} (was {}/{})",
+                    "{} quota on port {} now at {}/{}, below quota_saturation {} (was {}/{}){by_reclaim}",
                     q.name, e.port, e.used, e.limit, cfg.quota_saturation, q.used, q.limit
                 ),
                 None => format!(
@@ -72,6 +89,7 @@ mod tests {
             name: "relay".into(),
             used: 64,
             limit: 64,
+            port: Some(21000),
         });
         let status = QuotaStatus {
             name: "relay".into(),
@@ -85,14 +103,34 @@ mod tests {
             }],
             error: None,
         };
+        let since: DateTime<Utc> = "2026-12-06T10:00:00Z".parse().expect("time");
+        let status = [status];
+        let cfg = DetectConfig::default();
         assert_eq!(
-            resolution(&f, &DetectConfig::default(), &[status]).as_deref(),
+            resolution(&f, since, &cfg, &status, &[]).as_deref(),
             Some("relay quota on port 21000 now at 56/64, below quota_saturation 0.9 (was 64/64)")
+        );
+        // Kills for this entry while it fired are named; older ones and other entries' are not.
+        let kill = |port: u16, at: &str| Freed {
+            quota: "relay".into(),
+            port: Some(port),
+            policy: "relay-leaks".into(),
+            at: at.parse().expect("time"),
+        };
+        let freed = [
+            kill(21000, "2026-12-06T10:00:05Z"),
+            kill(21000, "2026-12-06T10:00:06Z"),
+            kill(21001, "2026-12-06T10:00:06Z"),
+            kill(21000, "2026-12-06T09:59:00Z"),
+        ];
+        assert_eq!(
+            resolution(&f, since, &cfg, &status, &freed).as_deref(),
+            Some("relay quota on port 21000 now at 56/64, below quota_saturation 0.9 (was 64/64); 2 connections freed by reclaim (policy relay-leaks) while it fired")
         );
         let mut c = crate::detect::testutil_finding(Kind::CloseWaitBuildup, "java:80");
         c.count = 40;
         assert_eq!(
-            resolution(&c, &DetectConfig::default(), &[]).as_deref(),
+            resolution(&c, since, &cfg, &[], &[]).as_deref(),
             Some("fewer than close_wait_threshold 16 CLOSE_WAIT sockets older than 30s (last seen: count 40)")
         );
     }

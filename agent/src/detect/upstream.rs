@@ -449,6 +449,7 @@ mod tests {
                 quotas: &quotas,
                 storm: &storm,
                 nat: None,
+                freed: &[],
             },
             &crate::detect::Relations::new(table),
         );

@@ -493,9 +493,10 @@ impl Reclaimer {
             }
             for d in &fresh {
                 let netns = d.netns_name.clone().unwrap_or_else(|| d.netns.to_string());
-                tracing::info!(policy = %d.policy, mode = %d.mode, result = ?d.result, reason = d.reason.as_deref().unwrap_or(""),
-                    local = %d.local, peer = %d.peer, pid = ?d.pid, comm = %d.comm, netns = %netns,
-                    container = d.container.as_deref().unwrap_or(""), mechanism = d.mechanism.unwrap_or(""),
+                tracing::info!(policy = %d.policy, mode = %d.mode, result = d.result.as_str(), reason = d.reason.as_deref(),
+                    local = %d.local, peer = %d.peer, pid = d.pid, comm = %d.comm, netns = %netns,
+                    container = d.container.as_deref().map(|c| c.get(..12).unwrap_or(c)),
+                    quota = d.quota.as_ref().map(|q| q.name.as_str()), mechanism = d.mechanism,
                     "reclaim decision");
                 self.recent.push_back(d.clone());
             }

@@ -122,6 +122,7 @@ pub fn armed(
                 name: name.to_string(),
                 used: e.used,
                 limit: e.limit,
+                port: Some(e.port),
             })
         })
         .ok_or_else(|| format!("quota {name} below saturation"))

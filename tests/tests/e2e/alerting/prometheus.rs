@@ -15,7 +15,7 @@ use connreap_tests::{
     fixtures::{get_json_in_netns, http_request_ns},
     harness::{
         peer, require_privileges, wait_until, Agent, Child, Config, NetNs, TempDir, API, FINDING,
-        HTTP, POLL,
+        HTTP, PEER_COMM, POLL,
     },
 };
 use serde_json::Value;
@@ -167,7 +167,7 @@ fn prometheus_scrapes_findings_and_evaluates_the_shipped_rules() {
             "1000",
         ],
     );
-    let (_client, ready) = peer(
+    let (client, ready) = peer(
         &ns,
         &["connect", "--addr", "127.0.0.1:7450", "--count", "12"],
     );
@@ -191,7 +191,7 @@ fn prometheus_scrapes_findings_and_evaluates_the_shipped_rules() {
     assert_eq!(seen["instance"], API, "{seen}");
     assert_rules_loaded_and_firing(&ns);
     assert_agent_series(&ns);
-    assert_json_logs(&agent);
+    assert_json_logs(&agent, client.pid(), ns.name());
     agent.assert_alive();
 }
 
@@ -301,8 +301,9 @@ fn assert_agent_series(ns: &NetNs) {
 }
 
 /// `log_format = "json"`: every line the agent wrote is a JSON object with a level and a
-/// message, and the refused webhook deliveries say so in `cause`.
-fn assert_json_logs(agent: &Agent) {
+/// message, the refused webhook deliveries say so in `cause`, and the firing line carries the
+/// finding's owner and place as fields a log tool can filter on (values, not debug text).
+fn assert_json_logs(agent: &Agent, client: u32, netns: &str) {
     let stderr = agent.stderr();
     let lines: Vec<Value> = stderr
         .lines()
@@ -319,4 +320,22 @@ fn assert_json_logs(agent: &Agent) {
     assert_eq!(refused["cause"], "connection refused", "{refused}");
     assert_eq!(refused["receiver"], DEAD_HOOK, "{refused}");
     assert_eq!(refused["level"], "WARN", "{refused}");
+    let firing = lines
+        .iter()
+        .find(|l| {
+            l["kind"] == "close_wait_buildup"
+                && l["message"]
+                    .as_str()
+                    .is_some_and(|m| m.starts_with("firing: "))
+        })
+        .unwrap_or_else(|| panic!("no firing line for close_wait_buildup:\n{stderr}"));
+    assert_eq!(firing["pid"], u64::from(client), "{firing}");
+    assert_eq!(firing["comm"], PEER_COMM, "{firing}");
+    assert_eq!(firing["port"], 7450, "{firing}");
+    assert_eq!(firing["netns"], netns, "{firing}");
+    assert_eq!(firing["count"], 12, "{firing}");
+    assert!(
+        firing.get("container").is_none() && firing.get("pod").is_none(),
+        "no container here: fields without a value are left out: {firing}"
+    );
 }

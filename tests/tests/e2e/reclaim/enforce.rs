@@ -10,6 +10,7 @@ use connreap_tests::{
     fixtures::WebhookReceiver,
     harness::{
         addr,
+        alerts::is,
         audit::{int, per_round, result_is, text},
         relay_policy, require_privileges, wait_until, Agent, Chain, Config, NetNs, TempDir,
         MAX_STREAMS, POLL, SCAN,
@@ -61,6 +62,7 @@ fn enforce_frees_the_saturated_relay_and_real_requests_work_again() {
     );
 
     assert_reclaimed_event(&hook, &chain, &agent, killed);
+    assert_quota_alert_names_the_reclaim(&hook, &agent);
     // Metrics count the decisions.
     let metrics = agent.metrics();
     assert_eq!(
@@ -122,6 +124,24 @@ fn assert_kills(chain: &Chain, agent: &Agent) -> usize {
     }
     let inodes: HashSet<u64> = killed.iter().map(|d| int(d, "inode")).collect();
     assert_eq!(inodes.len(), killed.len(), "an inode killed twice");
+    // The log says the same with fields a log tool can filter on: values, not debug text.
+    let log = agent.stderr();
+    let logged: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("reclaim decision") && l.contains(" result=killed"))
+        .collect();
+    assert_eq!(logged.len(), killed.len(), "{log}");
+    for l in &logged {
+        let pid = l
+            .split_whitespace()
+            .find_map(|w| w.strip_prefix("pid="))
+            .unwrap_or_else(|| panic!("no pid field: {l}"));
+        assert!(pid.parse::<u32>().is_ok(), "pid={pid} is not a value: {l}");
+        assert!(
+            l.contains(" policy=relay-leaks") && l.contains(" quota=relay"),
+            "{l}"
+        );
+    }
     // ... and the killed sockets are really gone, the others still leak.
     let left = chain.proxy_upstreams("ESTAB");
     for d in &killed {
@@ -163,4 +183,34 @@ fn assert_reclaimed_event(hook: &WebhookReceiver, chain: &Chain, agent: &Agent, 
             .is_some_and(|v| v.len() as u64 == n),
         "{ev}"
     );
+}
+
+/// The quota alert says what the reclaim did: once the relay reads below saturation it
+/// resolves naming the connections freed by the policy, and no text after a kill calls the
+/// freed quota "load (connections are busy)".
+fn assert_quota_alert_names_the_reclaim(hook: &WebhookReceiver, agent: &Agent) {
+    let resolved = hook
+        .wait_for_body(Duration::from_secs(15), |b| {
+            is(b, "quota_exhausted_by_leak", "resolved")
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "no resolved quota alert: {:#?}\n{}",
+                hook.posts(),
+                agent.ctx()
+            )
+        });
+    let resolved = resolved.body;
+    let summary = resolved["summary"].as_str().unwrap_or_default();
+    assert!(
+        summary.contains("freed by reclaim (policy relay-leaks) while it fired"),
+        "{resolved:#}"
+    );
+    for p in hook.posts() {
+        let b = &p.body;
+        if b["kind"] == "quota_exhausted_by_leak" {
+            let s = b["summary"].as_str().unwrap_or_default();
+            assert!(!s.contains("connections are busy"), "{b:#}");
+        }
+    }
 }
