@@ -179,7 +179,7 @@ async fn sockets(
     let Ok(Query(args)) = q else {
         return error(
             StatusCode::BAD_REQUEST,
-            "invalid query string: expected state, port, pid, comm, idle_min",
+            "invalid query string: expected state, port, sport, dport, pid, comm, idle_min, netns, container",
         );
     };
     let filter = match args.parse() {

@@ -14,6 +14,7 @@ use serde::{Deserialize, Serialize};
 use crate::table::TcpState;
 use keys::{KeyPath, Positions};
 pub use ranges::{DEFAULT_MAX_BODY, MAX_COUNT};
+pub use shown::{shown, INPUT_MAX};
 pub use size::ByteSize;
 pub use token::read_token;
 use validate::validate;

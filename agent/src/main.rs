@@ -68,11 +68,13 @@ enum Cmd {
     },
     /// Run one reclaim round of a policy now and print its decisions (JSON lines).
     Reclaim {
+        /// The `[[policy]]` to run, by its `name`.
         #[arg(long)]
         policy: String,
         /// Decide but close nothing, even for an enforce policy.
         #[arg(long)]
         dry_run: bool,
+        /// Config file (default /etc/connreap/connreap.toml if present, else built-in defaults).
         #[arg(long)]
         config: Option<std::path::PathBuf>,
     },
@@ -181,6 +183,17 @@ const EX_TEMPFAIL: u8 = 75;
 /// `connreap reclaim`: an enforce policy ran as a dry run (no destroy mechanism, audit log not
 /// writable): nothing was killed although the policy says enforce.
 const EX_ENFORCE_NOT_RUN: u8 = 3;
+/// Bad input on the command line (as clap's own usage errors): a filter that does not parse,
+/// a policy that is not configured. Runtime failures exit 1.
+const EX_USAGE: u8 = 2;
+
+/// A command-line value that names nothing usable.
+#[derive(Debug, thiserror::Error)]
+#[error("no policy named `{name}` (configured: {configured})")]
+struct NoSuchPolicy {
+    name: String,
+    configured: String,
+}
 
 fn reclaim_once(
     verbose: bool,
@@ -190,10 +203,11 @@ fn reclaim_once(
 ) -> anyhow::Result<ExitCode> {
     let Some(policy) = cfg.policy.iter().find(|p| p.name == name) else {
         let names: Vec<&str> = cfg.policy.iter().map(|p| p.name.as_str()).collect();
-        anyhow::bail!(
-            "no policy named `{name}` (configured: {})",
-            names.join(", ")
-        );
+        return Err(NoSuchPolicy {
+            name: config::shown(name, config::INPUT_MAX),
+            configured: names.join(", "),
+        }
+        .into());
     };
     let mut core = engine::Core::new(cfg.clone(), kernel::Kernel::load(verbose)?, verbose, "cli");
     // One reclaimer per host: while a daemon holds the lock, its API is the way in.
@@ -287,6 +301,10 @@ fn main() -> ExitCode {
         Ok(code) => code,
         // `connreap snapshot | head`: the reader stopped reading; nothing went wrong here.
         Err(e) if is_broken_pipe(&e) => ExitCode::SUCCESS,
+        Err(e) if is_usage(&e) => {
+            eprintln!("connreap: {e:#}");
+            ExitCode::from(EX_USAGE)
+        }
         Err(e) => {
             eprintln!("connreap: {e:#}");
             ExitCode::FAILURE
@@ -373,6 +391,12 @@ fn other_command(verbose: bool, cmd: &Cmd) -> anyhow::Result<ExitCode> {
         Cmd::Run { .. } | Cmd::Reclaim { .. } => Ok(()),
     };
     done.map(|()| ExitCode::SUCCESS)
+}
+
+/// Whether `e` is bad command-line input rather than a runtime failure.
+fn is_usage(e: &anyhow::Error) -> bool {
+    e.chain()
+        .any(|c| c.is::<snapshot::FilterError>() || c.is::<NoSuchPolicy>())
 }
 
 /// Whether `e` is a write to a pipe whose reader has gone.

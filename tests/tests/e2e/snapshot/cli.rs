@@ -1,4 +1,4 @@
-//! The command line around the snapshot: bad filters and a reader that stops early.
+//! The command line around the snapshot: bad filters (exit 2) and a reader that stops early.
 
 use connreap_tests::harness::{peer, require_privileges, run, NetNs, CONNREAP_TIMEOUT};
 
@@ -14,14 +14,18 @@ fn bad_filters_fail_with_one_line_errors() {
         (&["--state", "BOGUS"][..], "BOGUS"),
         (&["--pid", "self"][..], "invalid pid `self`"),
         (&["--idle-min", "soon"][..], "invalid idle-min `soon`"),
+        (&["--dport", "9-1"][..], "invalid dport `9-1`"),
+        (&["--sport", "0"][..], "invalid sport `0`"),
+        (&["--state", "connectd"][..], "connectd"),
     ] {
         let mut cmd = ns.connreap(["snapshot", "--json"]);
         cmd.args(args);
         let out = run(&mut cmd, CONNREAP_TIMEOUT);
         let ctx = format!("connreap snapshot --json {}: {out:?}", args.join(" "));
-        assert!(
-            out.status.code().is_some_and(|c| c != 0),
-            "must exit non-zero: {ctx}"
+        assert_eq!(
+            out.status.code(),
+            Some(2),
+            "bad input exits 2 (1 is for runtime failures): {ctx}"
         );
         assert!(!out.stderr.contains("panicked"), "{ctx}");
         assert_eq!(out.stderr.trim().lines().count(), 1, "one line: {ctx}");

@@ -5,6 +5,7 @@
 mod cli;
 mod close_wait;
 mod established;
+mod filters;
 mod tracker;
 
 use std::{path::Path, time::Duration};
