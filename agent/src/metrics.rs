@@ -256,22 +256,31 @@ impl Metrics {
         // Count first (no label allocation per socket), then publish one gauge per group: a
         // group's sockets share state, command, port, namespace and container, so its first
         // socket names them all.
-        type Group<'a> = (crate::table::TcpState, &'a str, u16, u32, Option<&'a str>);
+        type Group<'a> = (
+            crate::table::TcpState,
+            &'a str,
+            Option<u16>,
+            u32,
+            Option<&'a str>,
+        );
+        let ports = netns::PortLabels::of(table);
         let mut counts: rustc_hash::FxHashMap<Group<'_>, (&Socket, i64)> =
             rustc_hash::FxHashMap::default();
         for s in table {
             let key = (
                 s.state,
                 s.comm(),
-                s.service_port,
+                ports.port(s),
                 s.netns.inode,
                 s.container_id(),
             );
             counts.entry(key).or_insert((s, 0)).1 += 1;
         }
         self.sockets.clear();
-        for (s, n) in counts.into_values() {
-            self.sockets.get_or_create(&SocketLabels::of(s)).set(n);
+        for ((_, _, port, _, _), (s, n)) in counts {
+            self.sockets
+                .get_or_create(&SocketLabels::of(s, port))
+                .set(n);
         }
         self.scans.fetch_add(1, Ordering::Relaxed);
     }

@@ -21,12 +21,64 @@ pub struct SocketLabels {
     pub container: Option<String>,
 }
 
+/// The ports a socket's `service_port` label may take, so that series do not grow with
+/// ephemeral ports (a TIME_WAIT socket whose listener is gone would otherwise be labelled with
+/// its peer's ephemeral port): a port some socket listens on in that namespace, or a port
+/// outside the ephemeral range; any other is labelled `ephemeral`.
+pub struct PortLabels {
+    listeners: rustc_hash::FxHashSet<(u32, u16)>,
+    ephemeral: (u16, u16),
+}
+
+/// The kernel's default `net.ipv4.ip_local_port_range`.
+const DEFAULT_EPHEMERAL: (u16, u16) = (32768, 60999);
+
+impl PortLabels {
+    pub fn of(table: &[Socket]) -> PortLabels {
+        static EPHEMERAL: std::sync::OnceLock<(u16, u16)> = std::sync::OnceLock::new();
+        let ephemeral = *EPHEMERAL.get_or_init(|| {
+            std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+                .ok()
+                .and_then(|t| parse_range(&t))
+                .unwrap_or(DEFAULT_EPHEMERAL)
+        });
+        PortLabels::with(table, ephemeral)
+    }
+
+    fn with(table: &[Socket], ephemeral: (u16, u16)) -> PortLabels {
+        let listeners = table
+            .iter()
+            .filter(|s| s.state == crate::table::TcpState::Listen)
+            .map(|s| (s.netns.inode, s.local.port()))
+            .collect();
+        PortLabels {
+            listeners,
+            ephemeral,
+        }
+    }
+
+    /// The label value of `s`'s service port: the port, or None for `ephemeral`.
+    pub fn port(&self, s: &Socket) -> Option<u16> {
+        let p = s.service_port;
+        let (lo, hi) = self.ephemeral;
+        (!(lo..=hi).contains(&p) || self.listeners.contains(&(s.netns.inode, p))).then_some(p)
+    }
+}
+
+/// `ip_local_port_range`'s text: two numbers separated by whitespace.
+fn parse_range(text: &str) -> Option<(u16, u16)> {
+    let mut it = text.split_whitespace().map(|n| n.parse::<u16>().ok());
+    let (lo, hi) = (it.next()??, it.next()??);
+    (lo <= hi).then_some((lo, hi))
+}
+
 impl SocketLabels {
-    pub fn of(s: &Socket) -> SocketLabels {
+    /// `port`: from [`PortLabels::port`].
+    pub fn of(s: &Socket, port: Option<u16>) -> SocketLabels {
         SocketLabels {
             state: s.state.to_string(),
             comm: s.comm().to_string(),
-            service_port: s.service_port.to_string(),
+            service_port: port.map_or_else(|| "ephemeral".to_string(), |p| p.to_string()),
             netns: s.netns.label(),
             container: s.container().map(|c| c.short_id().to_string()),
         }
@@ -181,5 +233,49 @@ mod tests {
         m.observe_findings(&[]);
         let text = m.render(Format::Prometheus);
         assert!(!text.contains("connreap_netns_findings{"), "{text}");
+    }
+}
+
+#[cfg(test)]
+mod port_tests {
+    use super::*;
+    use crate::table::TcpState;
+
+    fn sock(local: &str, peer: &str, state: TcpState, service_port: u16) -> Socket {
+        let mut s = Socket::new(
+            local.parse().expect("addr"),
+            peer.parse().expect("addr"),
+            state,
+        );
+        s.service_port = service_port;
+        s
+    }
+
+    #[test]
+    fn only_listeners_and_ports_outside_the_ephemeral_range_become_labels() {
+        let table = vec![
+            sock("0.0.0.0:40000", "0.0.0.0:0", TcpState::Listen, 40000),
+            // Accepted on the listener in the ephemeral range: its port stays.
+            sock(
+                "10.0.0.1:40000",
+                "10.0.0.2:51000",
+                TcpState::Established,
+                40000,
+            ),
+            // A TIME_WAIT whose listener is gone, taken for outbound: its peer's ephemeral port.
+            sock("10.0.0.1:7900", "10.0.0.2:51234", TcpState::TimeWait, 51234),
+            // Outbound to a well-known port.
+            sock(
+                "10.0.0.1:52000",
+                "10.0.0.3:5432",
+                TcpState::Established,
+                5432,
+            ),
+        ];
+        let p = PortLabels::with(&table, DEFAULT_EPHEMERAL);
+        let got: Vec<Option<u16>> = table.iter().map(|s| p.port(s)).collect();
+        assert_eq!(got, [Some(40000), Some(40000), None, Some(5432)]);
+        assert_eq!(parse_range("32768\t60999\n"), Some((32768, 60999)));
+        assert_eq!(parse_range("9 1"), None);
     }
 }

@@ -8,6 +8,7 @@ mod pool_leak;
 mod quota_source;
 mod relay;
 mod restart_alerts;
+mod series;
 mod storm;
 mod webhook_redirect;
 mod webhook_retry;
