@@ -11,7 +11,6 @@
 //! what connreap created is ever removed (see `pins`); a load that fails removes the pins it
 //! made; a daemon whose tracker gets unpinned re-attaches it (see `tracker`).
 pub mod destroy;
-pub mod diag;
 mod dump;
 pub mod error;
 pub mod events;
@@ -358,8 +357,8 @@ impl Loaded {
 
 impl Kernel {
     /// Load the fallback destroy iterator (see [`destroy`]).
-    pub fn destroyer(&self, verbose: bool) -> Result<destroy::BpfDestroyer, KernelError> {
-        destroy::BpfDestroyer::load(OBJECT, &self.pin_dir, verbose)
+    pub fn destroyer(&self, verbose: bool) -> Result<destroy::bpf::BpfDestroyer, KernelError> {
+        destroy::bpf::BpfDestroyer::load(OBJECT, &self.pin_dir, verbose)
     }
 
     /// Run an iterator and hand each complete record to `f` as it is read.

@@ -13,14 +13,17 @@ use super::{
     armed,
     audit::AuditLog,
     decision,
-    kill::{kill_all, Destroyer, MechanismError},
+    kill::{kill_all, Kill},
     lock::{LockError, ReclaimLock},
     plan, spared, Decision, Mode, Outcome, PolicyNote, QuotaReach,
 };
 use crate::{
     config::{Config, PolicyConfig, PolicyMode, Trigger},
     detect::{feeders, QuotaRef, Relations},
-    kernel::Kernel,
+    kernel::{
+        destroy::{Destroyer, MechanismError},
+        Kernel,
+    },
     quota::QuotaStatus,
     quota::Scope,
     scan::Scanner,
@@ -130,7 +133,7 @@ pub struct Reclaimer {
 
 impl Reclaimer {
     pub fn new(cfg: &Config, kernel: &Kernel, verbose: bool, role: &'static str) -> Self {
-        let mechanism = Destroyer::choose(cfg.reclaim.mechanism, kernel, verbose);
+        let mechanism = Destroyer::choose(cfg.reclaim.mechanism, || kernel.destroyer(verbose));
         match &mechanism {
             Ok(m) => tracing::info!(mechanism = m.name(), "socket destroy works"),
             Err(e) if cfg.policy.iter().any(|p| p.mode == PolicyMode::Enforce) => {
@@ -425,20 +428,18 @@ impl Reclaimer {
         let outcomes: Vec<_> = respared
             .into_iter()
             .map(|why| match why {
-                Some(why) => (Outcome::Skipped, Some(why), None),
-                None => killed_outcomes.next().unwrap_or((
-                    Outcome::Failed,
-                    Some("not attempted".into()),
-                    None,
-                )),
+                Some(why) => Kill::new(Outcome::Skipped, why),
+                None => killed_outcomes
+                    .next()
+                    .unwrap_or_else(|| Kill::new(Outcome::Failed, "not attempted")),
             })
             .collect();
         let decisions: Vec<Decision> = targets
             .iter()
             .zip(outcomes)
-            .map(|(s, (outcome, why, cookie))| {
-                let mut d = decision(p, mode, s, quota, outcome, why, round);
-                if let Some(c) = cookie {
+            .map(|(s, k)| {
+                let mut d = decision(p, mode, s, quota, k.outcome, k.reason, round);
+                if let Some(c) = k.cookie {
                     // The cookie the kill went by (the table's may still be 0).
                     d.cookie = Some(format!("{c:#x}"));
                 }

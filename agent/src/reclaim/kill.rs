@@ -1,80 +1,17 @@
-//! Destroying sockets: choosing the mechanism at start (netlink SOCK_DESTROY, or the
-//! bpf_sock_destroy fallback), and a round's kills, each target re-checked against a fresh
-//! kernel view right before it is destroyed.
+//! A round's kills: each target re-checked against a fresh kernel view right before it is
+//! destroyed, with the mechanism chosen at start (`kernel::destroy`), each namespace's targets
+//! from inside that namespace.
 use std::collections::HashMap;
 
 use super::{old_enough, selected, Outcome};
 use crate::{
-    config::{DestroyMechanism, PolicyConfig},
+    config::PolicyConfig,
     kernel::{
-        destroy::{self, BpfDestroyer, DestroyResult},
-        diag,
+        destroy::{bpf::DestroyResult, netlink::Netlink, Destroyer},
         netns::{self, Namespace},
-        Kernel,
     },
     table::Socket,
 };
-
-/// A destroy mechanism's own error (netlink or the BPF fallback) with its whole chain.
-type Cause = anyhow::Error;
-
-/// Why no destroy mechanism could be set up. Shown in each dry-run decision's `mode`, so the
-/// message carries the causes' whole chain (`{:#}`).
-#[derive(Debug, thiserror::Error)]
-pub enum MechanismError {
-    #[error("{0:#}")]
-    Netlink(Cause),
-    #[error("bpf_sock_destroy fallback: {0:#}")]
-    Bpf(Cause),
-    #[error("{netlink:#}; bpf_sock_destroy fallback: {fallback:#}")]
-    Neither { netlink: Cause, fallback: Cause },
-}
-
-/// How a socket gets destroyed.
-pub enum Destroyer {
-    /// netlink SOCK_DESTROY, by 4-tuple and cookie (what `ss -K` does).
-    Netlink,
-    /// The bpf_sock_destroy kfunc from an iter/tcp program, by inode and kernel address.
-    Bpf(BpfDestroyer),
-}
-
-impl Destroyer {
-    pub fn name(&self) -> &'static str {
-        match self {
-            Destroyer::Netlink => diag::MECHANISM,
-            Destroyer::Bpf(_) => destroy::MECHANISM,
-        }
-    }
-
-    /// The configured mechanism, checked on a loopback pair of our own.
-    pub fn choose(
-        wanted: DestroyMechanism,
-        kernel: &Kernel,
-        verbose: bool,
-    ) -> Result<Destroyer, MechanismError> {
-        let bpf = || -> Result<Destroyer, Cause> {
-            let mut d = kernel.destroyer(verbose)?;
-            d.probe()?;
-            Ok(Destroyer::Bpf(d))
-        };
-        match wanted {
-            DestroyMechanism::Netlink => diag::probe()
-                .map(|_| Destroyer::Netlink)
-                .map_err(|e| MechanismError::Netlink(e.into())),
-            DestroyMechanism::BpfIter => bpf().map_err(MechanismError::Bpf),
-            DestroyMechanism::Auto => {
-                match diag::probe() {
-                    Ok(_) => Ok(Destroyer::Netlink),
-                    Err(netlink) => {
-                        let netlink: Cause = netlink.into();
-                        tracing::warn!(reason = format!("{netlink:#}"), "netlink socket destroy unavailable; trying the bpf_sock_destroy fallback");
-                        bpf().map_err(|fallback| MechanismError::Neither { netlink, fallback })
-                    }
-                }
-            }
-        }
-    }
-}
 
 /// sock_diag's cookie (two host-order u32, low word first) as the kernel's u64 socket cookie.
 fn cookie_u64(c: [u8; 8]) -> u64 {
@@ -83,7 +20,39 @@ fn cookie_u64(c: [u8; 8]) -> u64 {
     (u64::from(hi) << 32) | u64::from(lo)
 }
 
-type KillOutcome = (Outcome, Option<String>, Option<u64>);
+/// What became of one target: the outcome, why (for anything but a kill), and the cookie a
+/// netlink destroy went by.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Kill {
+    pub outcome: Outcome,
+    pub reason: Option<String>,
+    pub cookie: Option<u64>,
+}
+
+impl Kill {
+    pub fn new(outcome: Outcome, reason: impl Into<String>) -> Kill {
+        Kill {
+            outcome,
+            reason: Some(reason.into()),
+            cookie: None,
+        }
+    }
+
+    fn killed(cookie: Option<u64>) -> Kill {
+        Kill {
+            outcome: Outcome::Killed,
+            reason: None,
+            cookie,
+        }
+    }
+
+    fn with_cookie(mut self, cookie: Option<u64>) -> Kill {
+        self.cookie = cookie;
+        self
+    }
+}
+
+const CLOSED: &str = "closed before the kill";
 
 /// Re-check every target against its fresh kernel view and destroy those that still qualify,
 /// each namespace's targets from inside that namespace (a netlink socket and a BPF iterator
@@ -95,8 +64,8 @@ pub(super) fn kill_all(
     targets: &[&Socket],
     now: &HashMap<(u64, u64), &Socket>,
     spaces: &[Namespace],
-) -> Vec<KillOutcome> {
-    let mut out: Vec<Option<KillOutcome>> = vec![None; targets.len()];
+) -> Vec<Kill> {
+    let mut out: Vec<Option<Kill>> = vec![None; targets.len()];
     let mut inodes: Vec<u32> = targets.iter().map(|s| s.netns.inode).collect();
     inodes.sort_unstable();
     inodes.dedup();
@@ -122,14 +91,10 @@ pub(super) fn kill_all(
                     } else {
                         (Outcome::Failed, format!("{:#}", anyhow::Error::new(e)))
                     };
-                    vec![(outcome, Some(why), None); group.len()]
+                    vec![Kill::new(outcome, why); group.len()]
                 }),
             None => vec![
-                (
-                    Outcome::Skipped,
-                    Some("network namespace gone before the kill".into()),
-                    None,
-                );
+                Kill::new(Outcome::Skipped, "network namespace gone before the kill");
                 group.len()
             ],
         };
@@ -138,7 +103,7 @@ pub(super) fn kill_all(
         }
     }
     out.into_iter()
-        .map(|o| o.unwrap_or((Outcome::Failed, Some("not attempted".into()), None)))
+        .map(|o| o.unwrap_or_else(|| Kill::new(Outcome::Failed, "not attempted")))
         .collect()
 }
 
@@ -148,28 +113,37 @@ fn kill_in_namespace(
     destroyer: &mut Destroyer,
     targets: &[&Socket],
     now: &HashMap<(u64, u64), &Socket>,
-) -> Vec<KillOutcome> {
-    let mut out: Vec<KillOutcome> = Vec::with_capacity(targets.len());
+) -> Vec<Kill> {
+    let mut out: Vec<Kill> = Vec::with_capacity(targets.len());
     // Targets for the BPF mechanism, destroyed together in one iterator pass.
     let mut batch: Vec<(usize, (u64, u64))> = Vec::new();
+    // One netlink socket for the namespace's whole batch, made on first use (in it).
+    let mut netlink: Option<Result<Netlink, String>> = None;
     for s in targets {
         let fresh = match recheck(p, s, now.get(&(s.skaddr, s.inode)).copied()) {
             Ok(fresh) => fresh,
             Err(why) => {
-                out.push((Outcome::Skipped, Some(why.to_string()), None));
+                out.push(Kill::new(Outcome::Skipped, why.to_string()));
                 continue;
             }
         };
         match destroyer {
-            Destroyer::Netlink => out.push(kill_netlink(fresh)),
-            Destroyer::Bpf(_) if fresh.inode == 0 => out.push((
+            Destroyer::Netlink => {
+                let nl = netlink.get_or_insert_with(|| {
+                    Netlink::open().map_err(|e| format!("sock_diag: {:#}", anyhow::Error::new(e)))
+                });
+                out.push(match nl {
+                    Ok(nl) => kill_netlink(nl, fresh),
+                    Err(e) => Kill::new(Outcome::Failed, e.clone()),
+                });
+            }
+            Destroyer::Bpf(_) if fresh.inode == 0 => out.push(Kill::new(
                 Outcome::Skipped,
-                Some("no inode to identify the socket by (bpf-sock-destroy needs one)".into()),
-                None,
+                "no inode to identify the socket by (bpf-sock-destroy needs one)",
             )),
             Destroyer::Bpf(_) => {
                 batch.push((out.len(), (fresh.inode, fresh.skaddr)));
-                out.push((Outcome::Failed, Some("not attempted".into()), None));
+                out.push(Kill::new(Outcome::Failed, "not attempted"));
             }
         }
     }
@@ -179,26 +153,15 @@ fn kill_in_namespace(
             Ok(results) => {
                 for ((i, _), r) in batch.iter().zip(results) {
                     out[*i] = match r {
-                        DestroyResult::Destroyed => (Outcome::Killed, None, None),
-                        DestroyResult::NotFound => (
+                        DestroyResult::Destroyed => Kill::killed(None),
+                        DestroyResult::NotFound => Kill::new(Outcome::Skipped, CLOSED),
+                        DestroyResult::Mismatch => Kill::new(
                             Outcome::Skipped,
-                            Some("closed before the kill".into()),
-                            None,
+                            "inode now belongs to another socket: not the selected one",
                         ),
-                        DestroyResult::Mismatch => (
-                            Outcome::Skipped,
-                            Some(
-                                "inode now belongs to another socket: not the selected one".into(),
-                            ),
-                            None,
-                        ),
-                        DestroyResult::Errno(e) => (
+                        DestroyResult::Errno(e) => Kill::new(
                             Outcome::Failed,
-                            Some(format!(
-                                "bpf_sock_destroy: {}",
-                                std::io::Error::from_raw_os_error(e)
-                            )),
-                            None,
+                            format!("bpf_sock_destroy: {}", std::io::Error::from_raw_os_error(e)),
                         ),
                     };
                 }
@@ -206,11 +169,7 @@ fn kill_in_namespace(
             Err(e) => {
                 let e = format!("{:#}", anyhow::Error::new(e));
                 for (i, _) in &batch {
-                    out[*i] = (
-                        Outcome::Failed,
-                        Some(format!("bpf_sock_destroy: {e}")),
-                        None,
-                    );
+                    out[*i] = Kill::new(Outcome::Failed, format!("bpf_sock_destroy: {e}"));
                 }
             }
         }
@@ -259,41 +218,33 @@ fn recheck<'a>(
 }
 
 /// Exact lookup by 4-tuple (same inode), then SOCK_DESTROY by that cookie.
-fn kill_netlink(now: &Socket) -> KillOutcome {
-    match diag::lookup(now.local.into(), now.peer.into()) {
-        Ok(None) => (
+fn kill_netlink(nl: &Netlink, now: &Socket) -> Kill {
+    match nl.lookup(now.local.into(), now.peer.into()) {
+        Ok(None) => Kill::new(Outcome::Skipped, CLOSED),
+        Ok(Some(d)) if d.inode as u64 != now.inode && now.inode != 0 => Kill::new(
             Outcome::Skipped,
-            Some("closed before the kill".into()),
-            None,
-        ),
-        Ok(Some(d)) if d.inode as u64 != now.inode && now.inode != 0 => (
-            Outcome::Skipped,
-            Some(format!(
+            format!(
                 "4-tuple now belongs to inode {}: not the selected socket",
                 d.inode
-            )),
-            None,
+            ),
         ),
         Ok(Some(d)) => {
             let cookie = Some(cookie_u64(d.cookie));
-            match diag::destroy(now.local.into(), now.peer.into(), d.cookie) {
-                Ok(()) => (Outcome::Killed, None, cookie),
-                Err(e) if e.errno() == Some(libc::ENOENT) => (
-                    Outcome::Skipped,
-                    Some("closed before the kill".into()),
-                    cookie,
-                ),
-                Err(e) => (
+            match nl.destroy(now.local.into(), now.peer.into(), d.cookie) {
+                Ok(()) => Kill::killed(cookie),
+                Err(e) if e.errno() == Some(libc::ENOENT) => {
+                    Kill::new(Outcome::Skipped, CLOSED).with_cookie(cookie)
+                }
+                Err(e) => Kill::new(
                     Outcome::Failed,
-                    Some(format!("SOCK_DESTROY: {:#}", anyhow::Error::new(e))),
-                    cookie,
-                ),
+                    format!("SOCK_DESTROY: {:#}", anyhow::Error::new(e)),
+                )
+                .with_cookie(cookie),
             }
         }
-        Err(e) => (
+        Err(e) => Kill::new(
             Outcome::Failed,
-            Some(format!("sock_diag lookup: {:#}", anyhow::Error::new(e))),
-            None,
+            format!("sock_diag lookup: {:#}", anyhow::Error::new(e)),
         ),
     }
 }

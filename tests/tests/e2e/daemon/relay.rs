@@ -67,7 +67,7 @@ fn assert_quota_alert(hook: &WebhookReceiver, agent: &Agent, chain: &Chain) {
     assert_eq!(b["service_port"], 21000, "{b:#}");
     assert_eq!(
         b["quota"],
-        json!({"name": "relay", "used": 64, "limit": 64}),
+        json!({"name": "relay", "used": 64, "limit": 64, "port": 21000}),
         "{b:#}"
     );
     assert_eq!(
@@ -153,7 +153,7 @@ fn assert_api_while_firing(agent: &mut Agent, chain: &Chain) {
     assert_eq!(f["verdict"], "leak", "{f:#}");
     assert_eq!(
         f["quota"],
-        json!({"name": "relay", "used": 64, "limit": 64}),
+        json!({"name": "relay", "used": 64, "limit": 64, "port": 21000}),
         "{f:#}"
     );
     assert!(

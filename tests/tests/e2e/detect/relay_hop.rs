@@ -58,7 +58,7 @@ fn quota_finding_names_the_proxy_behind_the_relay_without_port_map() {
     assert_eq!(f["service_port"], 21000, "{f:#}");
     assert_eq!(
         f["quota"],
-        json!({"name": "relay", "used": 64, "limit": 64}),
+        json!({"name": "relay", "used": 64, "limit": 64, "port": 21000}),
         "{f:#}"
     );
     assert_eq!(

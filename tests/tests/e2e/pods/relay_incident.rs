@@ -305,7 +305,7 @@ fn assert_quota_alert(chain: &PodChain, b: &Value) {
     assert_eq!(b["service_port"], INSTANCE_PORT, "{ctx}");
     assert_eq!(
         b["quota"],
-        json!({"name": "relay", "used": MAX_STREAMS, "limit": MAX_STREAMS}),
+        json!({"name": "relay", "used": MAX_STREAMS, "limit": MAX_STREAMS, "port": INSTANCE_PORT}),
         "{ctx}"
     );
     assert_in_pod(b, &chain.relay_pod, "the quota alert (the relay's pod)");

@@ -148,7 +148,7 @@ fn acts_once_per_saturated_reading(
         assert_decision_shape(d);
         assert_eq!(
             d["quota"],
-            json!({"name": "frozen", "used": 64, "limit": 64}),
+            json!({"name": "frozen", "used": 64, "limit": 64, "port": 7600}),
             "{d}"
         );
         assert!(target_locals.contains(text(d, "local")), "{d}");

@@ -5,12 +5,7 @@
 //! The kfunc call in the object is a hand-encoded instruction with a placeholder BTF id (rustc
 //! cannot emit BTF for an extern kfunc); [`patch_kfunc`] writes the running kernel's id of
 //! `bpf_sock_destroy` into a copy of the object before it is loaded.
-use std::{
-    io::Read as _,
-    net::{SocketAddr, TcpListener, TcpStream},
-    os::fd::AsRawFd,
-    path::Path,
-};
+use std::{io::Read as _, net::TcpStream, os::fd::AsRawFd, path::Path};
 
 use aya::{
     maps::{HashMap as BpfHashMap, MapData},
@@ -19,7 +14,8 @@ use aya::{
 };
 use connreap_ebpf::{kfunc, names, DestroyRequest};
 
-use super::{offsets, program_error, IterError, KernelError, BTF_PATH};
+use super::probe::{probe_pair, PairError};
+use crate::kernel::{offsets, program_error, IterError, KernelError, BTF_PATH};
 
 pub const MECHANISM: &str = "bpf-sock-destroy";
 
@@ -71,7 +67,7 @@ impl BpfDestroyer {
         let offsets = kernel_btf.offsets()?;
         let mut loader = EbpfLoader::new();
         loader.override_global(names::OFFSETS, &offsets, true);
-        let ebpf = super::with_pinned_maps(&mut loader, pin_dir)
+        let ebpf = crate::kernel::with_pinned_maps(&mut loader, pin_dir)
             .load(&object)
             .map_err(KernelError::Object)?;
         let mut me = BpfDestroyer { ebpf, verbose };
@@ -156,7 +152,7 @@ impl BpfDestroyer {
     }
 
     /// Check that the fallback works here, on a loopback pair of our own.
-    pub fn probe(&mut self) -> Result<&'static str, ProbeError> {
+    pub fn probe(&mut self) -> Result<(), ProbeError> {
         probe_pair(|_, _, client| {
             let inode = inode_of(client).map_err(ProbeError::Fstat)?;
             match self.destroy(&[(inode, 0)]) {
@@ -164,31 +160,15 @@ impl BpfDestroyer {
                 Ok(r) => Err(ProbeError::BpfResult(r)),
                 Err(e) => Err(ProbeError::Bpf(Box::new(e))),
             }
-        })?;
-        Ok(MECHANISM)
+        })
     }
 }
 
-/// Why a destroy mechanism failed its check on a loopback pair of our own.
+/// Why the fallback failed its check on a loopback pair of our own.
 #[derive(Debug, thiserror::Error)]
 pub enum ProbeError {
-    /// Setting up the pair (`step`: listener, connect, accept, ...).
-    #[error("probe {step}")]
-    Setup {
-        step: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("probe socket survived the destroy (read gave {read:?})")]
-    Survived { read: std::io::Result<usize> },
-    #[error("sock_diag lookup")]
-    Lookup(#[source] super::diag::DiagError),
-    #[error("sock_diag lookup did not find the probe socket")]
-    NotFound,
-    #[error("netlink SOCK_DESTROY not supported (kernel built without CONFIG_INET_DIAG_DESTROY)")]
-    NetlinkUnsupported(#[source] super::diag::DiagError),
-    #[error("netlink SOCK_DESTROY failed")]
-    Netlink(#[source] super::diag::DiagError),
+    #[error(transparent)]
+    Pair(#[from] PairError),
     #[error("fstat of the probe socket")]
     Fstat(#[source] std::io::Error),
     #[error("bpf_sock_destroy on the probe socket: {0:?}")]
@@ -205,28 +185,6 @@ fn inode_of(s: &TcpStream) -> std::io::Result<u64> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(st.st_ino)
-}
-
-/// Run `kill(local, peer, client)` on a fresh loopback connection of our own and check that
-/// the client then reads ECONNABORTED, as an application whose socket was reclaimed would.
-pub fn probe_pair(
-    kill: impl FnOnce(SocketAddr, SocketAddr, &TcpStream) -> Result<(), ProbeError>,
-) -> Result<(), ProbeError> {
-    let setup = |step| move |source| ProbeError::Setup { step, source };
-    let listener = TcpListener::bind("127.0.0.1:0").map_err(setup("listener"))?;
-    let server_addr = listener.local_addr().map_err(setup("listener address"))?;
-    let mut client = TcpStream::connect(server_addr).map_err(setup("connect"))?;
-    let (_server, _) = listener.accept().map_err(setup("accept"))?;
-    let local = client.local_addr().map_err(setup("client address"))?;
-    kill(local, server_addr, &client)?;
-    client
-        .set_read_timeout(Some(std::time::Duration::from_secs(1)))
-        .map_err(setup("read timeout"))?;
-    let mut b = [0u8; 1];
-    match client.read(&mut b) {
-        Err(e) if e.raw_os_error() == Some(libc::ECONNABORTED) => Ok(()),
-        read => Err(ProbeError::Survived { read }),
-    }
 }
 
 #[cfg(test)]
