@@ -11,7 +11,6 @@ use crate::{
     kernel::{self, Kernel},
     metrics::{MechanismLabels, Metrics},
     notify::{Notification, Reclaimed},
-    poller::QuotaFeeds,
     scan_loop::ScanLoop,
     server,
     tasks::Supervisor,
@@ -115,7 +114,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
 
     let (published, _) = watch::channel(api::Published::default());
     let scan_loop = ScanLoop {
-        quotas: QuotaFeeds::spawn(&cfg, &tasks)
+        quotas: crate::quota::feeds::QuotaFeeds::spawn(&cfg, &tasks)
             .context("cannot build the quota sources' HTTP client")?,
         cfg: cfg.clone(),
         host,

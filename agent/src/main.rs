@@ -12,7 +12,6 @@ mod kernel;
 mod logging;
 mod metrics;
 mod notify;
-mod poller;
 mod present;
 mod quota;
 mod reclaim;
@@ -219,7 +218,8 @@ fn reclaim_once(
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()?;
-    let client = quota::http_client().context("cannot build the quota sources' HTTP client")?;
+    let client =
+        quota::poll::http_client().context("cannot build the quota sources' HTTP client")?;
     let now = chrono::Utc::now();
     let quotas: Vec<quota::QuotaStatus> = cfg
         .quota
@@ -227,7 +227,9 @@ fn reclaim_once(
         .map(|q| {
             if q.is_http() {
                 let timeout = quota::timeout(q, cfg.agent.scan_interval);
-                rt.block_on(poller::poll_once(&client, q, timeout, None, &mut None))
+                rt.block_on(quota::feeds::poll_once(
+                    &client, q, timeout, None, &mut None,
+                ))
             } else {
                 quota::static_status(q, &table, now)
             }

@@ -16,7 +16,6 @@ use crate::{
     health::{self, Failures},
     kernel::ring::OpenKey,
     metrics::Metrics,
-    poller::QuotaFeeds,
     quota::{self, QuotaStatus},
     table::{Netns, Socket},
     tasks::Supervisor,
@@ -27,7 +26,7 @@ pub struct ScanLoop {
     pub cfg: Config,
     pub host: String,
     pub engine: Engine,
-    pub quotas: QuotaFeeds,
+    pub quotas: quota::feeds::QuotaFeeds,
     /// Active opens from the ring reader, per drain.
     pub opens: mpsc::UnboundedReceiver<Vec<(OpenKey, u64)>>,
     pub published: watch::Sender<Published>,
@@ -344,7 +343,7 @@ impl ScanLoop {
                 if q.is_http() {
                     self.quotas.latest(&q.name).unwrap_or_else(|| QuotaStatus {
                         name: q.name.clone(),
-                        source: "http",
+                        source: quota::Source::Http,
                         url: q.url.clone(),
                         last_poll: None,
                         entries: vec![],

@@ -427,7 +427,7 @@ limit = 4
         let storm = StormTracker::default();
         let quotas = vec![QuotaStatus {
             name: "relay".into(),
-            source: "http",
+            source: crate::quota::Source::Http,
             url: None,
             last_poll: None,
             entries: vec![QuotaEntry {
@@ -699,7 +699,7 @@ limit = 4
     fn unavailable_sources_become_findings() {
         let q = QuotaStatus {
             name: "relay".into(),
-            source: "http",
+            source: crate::quota::Source::Http,
             url: None,
             last_poll: None,
             entries: vec![],

@@ -93,7 +93,7 @@ mod tests {
         });
         let status = QuotaStatus {
             name: "relay".into(),
-            source: "http",
+            source: crate::quota::Source::Http,
             url: None,
             last_poll: None,
             entries: vec![QuotaEntry {

@@ -431,7 +431,7 @@ mod tests {
         let storm = StormTracker::default();
         let quotas = [QuotaStatus {
             name: "relay".into(),
-            source: "http",
+            source: crate::quota::Source::Http,
             url: None,
             last_poll: None,
             entries: vec![QuotaEntry {

@@ -220,7 +220,7 @@ fn quota_trigger_arms_only_when_saturated_and_fresh() {
     let (p, _) = policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\" }\n");
     let mut q = QuotaStatus {
         name: "relay".into(),
-        source: "http",
+        source: crate::quota::Source::Http,
         url: None,
         last_poll: Some(chrono::Utc::now()),
         entries: vec![QuotaEntry {

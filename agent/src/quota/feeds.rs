@@ -15,7 +15,7 @@ use tokio::sync::watch;
 use crate::{
     config::{Config, Place, QuotaConfig},
     kernel::netns::{self, Namespace},
-    quota::{self, QuotaStatus},
+    quota::{self, poll, QuotaStatus},
     tasks::Supervisor,
 };
 
@@ -27,7 +27,7 @@ pub struct QuotaFeeds {
 impl QuotaFeeds {
     /// Start one poller task per HTTP source of `cfg`. Err: the HTTP client cannot be built.
     pub fn spawn(cfg: &Config, tasks: &Supervisor) -> Result<QuotaFeeds, reqwest::Error> {
-        let client = quota::http_client()?;
+        let client = poll::http_client()?;
         let feeds = cfg
             .quota
             .iter()
@@ -85,7 +85,7 @@ pub async fn poll_once(
     hint: &mut Option<u32>,
 ) -> QuotaStatus {
     let Some(place) = cfg.place() else {
-        return quota::poll(client, cfg, timeout, previous).await;
+        return poll::poll(client, cfg, timeout, previous).await;
     };
     let failed = |why: String| quota::failed(cfg, previous, chrono::Utc::now(), why);
     // Finding it reads /proc (every process's cgroup, for a container): off the runtime.
@@ -99,7 +99,7 @@ pub async fn poll_once(
         Err(e) => return failed(format!("finding the namespace to poll in failed: {e}")),
     };
     if ns.own {
-        return quota::poll(client, cfg, timeout, previous).await;
+        return poll::poll(client, cfg, timeout, previous).await;
     }
     let (cfg2, previous2) = (cfg.clone(), previous.cloned());
     let inode = ns.inode;
@@ -155,9 +155,9 @@ fn poll_here(
         .enable_all()
         .build()
         .map_err(|e| format!("cannot start a runtime to poll in the namespace: {e}"))?;
-    let client = quota::http_client()
+    let client = poll::http_client()
         .map_err(|e| format!("cannot make an HTTP client in the namespace: {e}"))?;
-    Ok(rt.block_on(quota::poll(&client, cfg, timeout, previous)))
+    Ok(rt.block_on(poll::poll(&client, cfg, timeout, previous)))
 }
 
 #[cfg(test)]
@@ -175,11 +175,11 @@ mod tests {
 
     /// Serves `body` to one request.
     async fn serve_once(body: &'static str) -> String {
-        crate::quota::tests::serve_once(body.into(), false).await
+        crate::quota::poll::tests::serve_once(body.into(), false).await
     }
 
     async fn poll(cfg: &QuotaConfig) -> QuotaStatus {
-        let client = quota::http_client().expect("client");
+        let client = poll::http_client().expect("client");
         poll_once(&client, cfg, Duration::from_secs(5), None, &mut None).await
     }
 
@@ -197,7 +197,7 @@ mod tests {
         let url = "http://127.0.0.1:9/status";
         let previous = QuotaStatus {
             name: "relay".into(),
-            source: "http",
+            source: quota::Source::Http,
             url: Some(url.into()),
             last_poll: None,
             entries: vec![quota::QuotaEntry {
@@ -208,7 +208,7 @@ mod tests {
             error: None,
         };
         let cfg = source(url, "netns = \"connreap-no-such-netns\"");
-        let client = quota::http_client().expect("client");
+        let client = poll::http_client().expect("client");
         let t = Duration::from_secs(1);
         let q = poll_once(&client, &cfg, t, Some(&previous), &mut None).await;
         assert_eq!(
