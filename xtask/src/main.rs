@@ -4,6 +4,7 @@
 mod bench;
 mod debtest;
 mod dist;
+mod monitoring;
 mod promtool;
 mod setup;
 mod shipcheck;
