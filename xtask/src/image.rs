@@ -164,7 +164,15 @@ pub fn build(no_build: bool) -> Result<String> {
     let name = image_name();
     let version = env!("CARGO_PKG_VERSION");
     run(podman()
-        .args(["build", "--quiet", "--pull=never", "--target", "prebuilt"])
+        // No layer cache: buildah 1.28 reuses a cached LABEL layer whose build-arg changed.
+        .args([
+            "build",
+            "--quiet",
+            "--pull=never",
+            "--no-cache",
+            "--target",
+            "prebuilt",
+        ])
         .arg(format!("--build-arg=BASE={BASE_IMAGE}"))
         .arg(format!("--build-arg=CONNREAP_VERSION={version}"))
         .arg(format!("--build-arg=CONNREAP_COMMIT={commit}"))
