@@ -3,7 +3,8 @@
 //! no new privileges, the same host paths), next to a second container (a Debian minbase image
 //! with python3) whose process holds CLOSE_WAIT sockets. Asserts what an operator would see:
 //! `/healthz` 200, `/metrics` clean under `promtool check metrics`, and the leak in
-//! `/v1/findings` attributed to that container (its id, runtime podman). runc and fixed
+//! `/v1/findings` attributed to that container (its id, runtime podman, and the name and image
+//! podman recorded for it). runc and fixed
 //! ulimits: what the engine needs on these machines (README "Container image").
 use std::{
     fs,
@@ -258,8 +259,11 @@ fn leak_found_in_image(
             }))
         },
     )?;
-    if finding["container_runtime"] != "podman" {
-        bail!("the finding does not name podman: {finding:#}");
+    if finding["container_runtime"] != "podman"
+        || finding["container_name"] != workload
+        || finding["container_image"] != WORKLOAD_IMAGE
+    {
+        bail!("the finding does not name podman, {workload} and {WORKLOAD_IMAGE}: {finding:#}");
     }
     eprintln!(
         "xtask: image: close_wait_buildup in container {} found: {}",
