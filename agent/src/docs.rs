@@ -45,6 +45,7 @@ pub fn generate(cmd: clap::Command, args: &Args) -> anyhow::Result<()> {
         create(dir)?;
         clap_mangen::generate_to(cmd.clone(), dir)
             .with_context(|| format!("cannot write man pages to {}", dir.display()))?;
+        append_common_sections(dir)?;
     }
     if let Some(dir) = &args.completions {
         create(dir)?;
@@ -53,6 +54,67 @@ pub fn generate(cmd: clap::Command, args: &Args) -> anyhow::Result<()> {
             clap_complete::generate_to(shell, &mut cmd, "connreap", dir).with_context(|| {
                 format!("cannot write {shell} completions to {}", dir.display())
             })?;
+        }
+    }
+    Ok(())
+}
+
+/// What every page says besides the command line: exit codes, environment, files (roff).
+const COMMON_SECTIONS: &str = r#".SH "EXIT STATUS"
+.TP
+\fB0\fR
+Success.
+.TP
+\fB1\fR
+An error (the message on stderr says which), e.g. not root, the BPF object cannot be loaded.
+.TP
+\fB3\fR
+\fBconnreap reclaim\fR: an enforce policy ran as a dry run (no way to destroy sockets, or the audit log not writable): nothing was closed.
+.TP
+\fB75\fR
+\fBconnreap reclaim\fR: another connreap holds the host's reclaim lock; \fBconnreap unpin\fR: another process uses the pinned state tracker.
+.TP
+\fB78\fR
+The configuration is invalid (file, line and key on stderr), or the systemd watchdog interval is shorter than twice agent.scan_interval. systemd does not restart the unit on 78.
+.SH ENVIRONMENT
+.TP
+\fBCONNREAP_PIN_ROOT\fR
+Where the state tracker is pinned on the BPF filesystem, instead of /sys/fs/bpf/connreap.
+.TP
+\fBCONNREAP_LOCK_DIR\fR
+Where connreap.load.lock and connreap.reclaim.lock live, instead of /run/lock.
+.TP
+\fBRUST_LOG\fR
+Log filter (tracing's EnvFilter syntax, e.g. \fBconnreap=debug\fR); overrides the level \fB\-\-verbose\fR sets.
+.SH FILES
+.TP
+\fI/etc/connreap/connreap.toml\fR
+The configuration (see \fBconnreap.toml\fR(5)); built-in defaults when it is absent.
+.TP
+\fI/var/lib/connreap/audit.jsonl\fR
+The audit log: one JSON line per reclaim decision (reclaim.audit_log).
+.TP
+\fI/sys/fs/bpf/connreap/\fR
+The pinned state tracker: socket ages survive a restart of the agent.
+.TP
+\fI/run/lock/connreap.load.lock\fR, \fI/run/lock/connreap.reclaim.lock\fR
+One load at a time, one reclaimer per host.
+.TP
+\fI/usr/share/doc/connreap/examples/connreap.example.toml\fR
+Every setting with its default and meaning.
+.SH "SEE ALSO"
+\fBconnreap.toml\fR(5), \fBconnreap\-run\fR(1), \fBss\fR(8)
+"#;
+
+/// Append [`COMMON_SECTIONS`] to every page clap_mangen wrote in `dir`.
+fn append_common_sections(dir: &Path) -> anyhow::Result<()> {
+    for entry in fs::read_dir(dir)? {
+        let path = entry?.path();
+        if path.extension().is_some_and(|e| e == "1") {
+            let mut page = fs::read_to_string(&path)
+                .with_context(|| format!("cannot read {}", path.display()))?;
+            page.push_str(COMMON_SECTIONS);
+            fs::write(&path, page).with_context(|| format!("cannot write {}", path.display()))?;
         }
     }
     Ok(())
@@ -88,6 +150,12 @@ mod tests {
         generate(cmd, &args).expect("generate");
         let man = fs::read_to_string(dir.join("man/connreap.1")).expect("connreap.1");
         assert!(man.contains(".TH connreap 1"), "{man}");
+        for section in [".SH \"EXIT STATUS\"", ".SH ENVIRONMENT", ".SH FILES"] {
+            assert!(man.contains(section), "{section}: {man}");
+        }
+        for var in ["CONNREAP_PIN_ROOT", "CONNREAP_LOCK_DIR", "RUST_LOG"] {
+            assert!(man.contains(var), "{var}");
+        }
         assert!(dir.join("man/connreap-run.1").exists());
         assert!(!dir.join("man/connreap-generate-docs.1").exists());
         for f in ["connreap.bash", "_connreap", "connreap.fish"] {

@@ -84,6 +84,10 @@ enum Cmd {
         #[arg(long)]
         force: bool,
     },
+    /// Mount the BPF filesystem at /sys/fs/bpf unless one is mounted there, then exit. The
+    /// DaemonSet's init container runs it with a bidirectional mount, so that the pins outlive
+    /// the pod on a host that had no bpffs mounted.
+    MountBpffs,
     /// Write the man pages and shell completions (`cargo xtask dist`).
     #[command(hide = true)]
     GenerateDocs(docs::Args),
@@ -388,6 +392,18 @@ fn other_command(verbose: bool, cmd: &Cmd) -> anyhow::Result<ExitCode> {
             )
         })
         .map_err(Into::into),
+        Cmd::MountBpffs => kernel::mount_bpffs()
+            .map(|mounted| {
+                eprintln!(
+                    "{}",
+                    if mounted {
+                        "mounted bpffs at /sys/fs/bpf"
+                    } else {
+                        "bpffs already mounted at /sys/fs/bpf"
+                    }
+                )
+            })
+            .map_err(Into::into),
         Cmd::GenerateDocs(args) => docs::generate(<Cli as clap::CommandFactory>::command(), args),
         // Handled by `main` with their config.
         Cmd::Run { .. } | Cmd::Reclaim { .. } => Ok(()),

@@ -1,7 +1,9 @@
 //! Prometheus metrics (prometheus-client) on GET /metrics, in OpenMetrics or the Prometheus
-//! text format as the scraper asks ([`exposition`]).
+//! text format as the scraper asks ([`exposition`]), with the agent's own `process_*` metrics
+//! ([`process`]).
 mod exposition;
 mod netns;
+mod process;
 
 use std::{
     collections::HashMap,
@@ -398,6 +400,9 @@ impl Metrics {
         if encode(&mut out, &self.registry).is_err() {
             out.clear();
         }
+        // The process families go before OpenMetrics' closing `# EOF`.
+        let body_len = out.strip_suffix("# EOF\n").map_or(out.len(), str::len);
+        out.insert_str(body_len, &process::render());
         match format {
             Format::OpenMetrics => out,
             Format::Prometheus => exposition::to_prometheus(&out),
@@ -482,6 +487,28 @@ mod tests {
         );
         assert!(text.contains(&line), "{text}");
         assert!(!text.contains("# EOF"), "{text}");
+    }
+
+    #[test]
+    fn process_families_in_both_formats() {
+        let m = Metrics::new();
+        let om = m.render(Format::OpenMetrics);
+        assert!(om.contains("# TYPE process_cpu_seconds counter\n"), "{om}");
+        assert!(om.contains("\nprocess_cpu_seconds_total "), "{om}");
+        assert!(
+            om.ends_with("# EOF\n") && om.matches("# EOF").count() == 1,
+            "{om}"
+        );
+        let text = m.render(Format::Prometheus);
+        assert!(
+            text.contains("# TYPE process_cpu_seconds_total counter\n"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE process_resident_memory_bytes gauge\n"),
+            "{text}"
+        );
+        assert!(!text.contains("# UNIT"), "{text}");
     }
 
     /// The kernel's cumulative program statistics become counters of their increase, the run

@@ -12,7 +12,7 @@ use std::{
 };
 
 use crate::{
-    containers::{self, PodNames},
+    containers::{self, ContainerNames, PodNames},
     kernel::{
         self,
         netns::{self, FindError, Namespace},
@@ -25,13 +25,15 @@ use rustc_hash::{FxHashMap, FxHashSet};
 pub use walk::every as walk_every;
 use walk::{Walked, Walks};
 
-/// A process's unit and container, from one read of its cgroup file.
-fn process_facts(pid: u32, pods: &mut PodNames) -> ProcessFacts {
+/// A process's unit and container (with its pod, name and image when known), from one read of
+/// its cgroup file.
+fn process_facts(pid: u32, pods: &mut PodNames, names: &mut ContainerNames) -> ProcessFacts {
     let Some(cgroup) = procfs::cgroup(pid) else {
         return ProcessFacts::default();
     };
     let container = containers::from_cgroup(&cgroup).map(|mut c| {
         pods.fill(&mut c);
+        names.fill(&mut c);
         Arc::new(c)
     });
     ProcessFacts {
@@ -70,6 +72,7 @@ pub struct Scanner {
     /// Unit and container of each pid holding sockets (read once per process).
     facts: HashMap<u32, ProcessFacts>,
     pods: PodNames,
+    names: ContainerNames,
     /// Size of the previous table, to size the next one.
     last_len: usize,
     /// Which namespaces each scan walks (every one on every scan unless set otherwise).
@@ -95,6 +98,7 @@ impl Scanner {
             first_seen: FirstSeen::default(),
             facts: HashMap::new(),
             pods: PodNames::new("/"),
+            names: ContainerNames::new("/"),
             last_len: 0,
             walks: Walks::new(1),
             hidden: Hidden::default(),
@@ -301,15 +305,15 @@ impl Scanner {
         let sockets = all.dump;
         let dumps_done = Instant::now();
         let end_ns = procfs::monotonic_ns();
-        // Forget pids that hold no socket any more (pids get reused), and pods none of them
-        // runs in.
+        // Forget pids that hold no socket any more (pids get reused), and pods and containers
+        // none of them runs in.
         let live: HashSet<u32> = holders.pids().collect();
         self.facts.retain(|pid, _| live.contains(pid));
-        let (facts, pods) = (&mut self.facts, &mut self.pods);
+        let (facts, pods, names) = (&mut self.facts, &mut self.pods, &mut self.names);
         let mut facts_of = |pid: u32| {
             facts
                 .entry(pid)
-                .or_insert_with(|| process_facts(pid, pods))
+                .or_insert_with(|| process_facts(pid, pods, names))
                 .clone()
         };
         let table = b.finish(holders, end_ns, &mut facts_of);
@@ -319,6 +323,12 @@ impl Scanner {
             .filter_map(|f| f.container.as_ref()?.pod_uid.clone())
             .collect();
         self.pods.retain(&live_pods);
+        let live_containers: HashSet<String> = self
+            .facts
+            .values()
+            .filter_map(|f| Some(f.container.as_ref()?.id.clone()))
+            .collect();
+        self.names.retain(&live_containers);
         self.last_len = table.len();
         // Where a scan's time goes, for `RUST_LOG=connreap::scan=debug` and the benchmarks:
         // each dump's time in the kernel (the iterator producing records) and in total (plus

@@ -245,9 +245,13 @@ fn pod_of(c: &crate::containers::Container) -> Option<String> {
     ))
 }
 
-/// The POD/CONTAINER cell: the pod's `namespace/name`, else `runtime:short-id`.
+/// The POD/CONTAINER cell: the pod's `namespace/name`, else `runtime:name` when the runtime
+/// named the container, else `runtime:short-id`.
 fn container_cell(c: &crate::containers::Container) -> String {
-    pod_of(c).unwrap_or_else(|| format!("{}:{}", c.runtime.as_str(), c.short_id()))
+    pod_of(c).unwrap_or_else(|| {
+        let name = c.name.as_deref().unwrap_or_else(|| c.short_id());
+        format!("{}:{name}", c.runtime.as_str())
+    })
 }
 
 /// Longest UNIT cell: a cgroup path outside any unit is cut to its last component and this.
@@ -441,6 +445,8 @@ pub(crate) mod tests {
             pod_uid: None,
             pod_name: Some("proxy-6d9f".into()),
             pod_namespace: Some("shop".into()),
+            name: None,
+            image: None,
         };
         let bare = Container {
             id: "cd".repeat(32),
@@ -448,6 +454,8 @@ pub(crate) mod tests {
             pod_uid: None,
             pod_name: None,
             pod_namespace: None,
+            name: None,
+            image: None,
         };
         let owner = |s: &Socket, unit: &str, c: Option<&Container>| {
             Some(Arc::new(Owner {

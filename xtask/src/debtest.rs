@@ -1,5 +1,5 @@
 //! The .deb on this machine (root, Debian; `cargo xtask test` runs it after the end-to-end
-//! tests): `dpkg -i`, every file in place and the unit enabled, `connreap snapshot` prints the
+//! tests): lintian reports no error or warning (installed with apt when missing), `dpkg -i`, every file in place and the unit enabled, `connreap snapshot` prints the
 //! table, `systemd-analyze verify` accepts the installed unit, a reinstall (the upgrade path)
 //! keeps a locally edited conffile and the pinned tracker, `dpkg -r` removes the program and
 //! unpins, and `dpkg --purge` leaves nothing behind but the audit log.
@@ -49,6 +49,7 @@ pub fn run(deb: &Path) -> Result<()> {
     if Path::new(STATE_DIR).exists() {
         bail!("{STATE_DIR} exists (a connreap ran here with the default audit log): the package test checks what purging leaves there; move it away first");
     }
+    lintian(deb)?;
     let _lock = e2e_lock()?;
     let _cleanup = Cleanup;
     dpkg(&["--install"], Some(deb))?;
@@ -61,6 +62,39 @@ pub fn run(deb: &Path) -> Result<()> {
     eprintln!(
         "xtask: package test passed ({}: installed, snapshot, unit verified, reinstalled, removed, purged)",
         deb.display()
+    );
+    Ok(())
+}
+
+/// `lintian` on the package: no error and no warning (informational tags are shown, not
+/// fatal).
+fn lintian(deb: &Path) -> Result<()> {
+    if !Path::new("/usr/bin/lintian").exists() {
+        eprintln!("xtask: installing lintian with apt (the package test)");
+        crate::run(Command::new("apt-get").args(["update", "-qq"]))?;
+        crate::run(
+            Command::new("apt-get")
+                .args(["install", "-y", "-qq", "--no-install-recommends", "lintian"])
+                .env("DEBIAN_FRONTEND", "noninteractive"),
+        )?;
+    }
+    let out = Command::new("lintian")
+        .args(["--fail-on", "error,warning", "--no-tag-display-limit"])
+        .arg(deb)
+        .output()
+        .context("cannot run lintian")?;
+    let said =
+        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
+    let flagged: Vec<&str> = said
+        .lines()
+        .filter(|l| l.starts_with("E: ") || l.starts_with("W: "))
+        .collect();
+    if !out.status.success() || !flagged.is_empty() {
+        bail!("lintian {} ({}):\n{said}", deb.display(), out.status);
+    }
+    eprintln!(
+        "xtask: lintian: no errors or warnings ({} informational tags)",
+        said.lines().filter(|l| l.starts_with("I: ")).count()
     );
     Ok(())
 }

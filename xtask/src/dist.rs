@@ -26,6 +26,9 @@ pub const PACKAGED: &[&str] = &[
     "./usr/share/doc/connreap/examples/connreap.example.toml",
     "./usr/share/man/man1/connreap.1.gz",
     "./usr/share/man/man1/connreap-run.1.gz",
+    "./usr/share/man/man5/connreap.toml.5.gz",
+    "./usr/share/doc/connreap/changelog.Debian.gz",
+    "./usr/share/lintian/overrides/connreap",
     "./usr/share/bash-completion/completions/connreap",
     "./usr/share/zsh/vendor-completions/_connreap",
     "./usr/share/fish/vendor_completions.d/connreap.fish",
@@ -63,6 +66,11 @@ pub fn build() -> Result<PathBuf> {
         .arg("--completions")
         .arg(dist.join("completions")))?;
     let example = fs::read_to_string(root().join("connreap.example.toml"))?;
+    fs::create_dir_all(dist.join("man5"))?;
+    fs::write(
+        dist.join("man5/connreap.toml.5"),
+        config_man_page(&example, env!("CARGO_PKG_VERSION")),
+    )?;
     let conffile = dist.join("connreap.toml");
     fs::write(&conffile, commented_conffile(&example))?;
     // The commented file must still be a valid config (the built-in defaults).
@@ -150,6 +158,43 @@ pub fn commented_keys(example: &str) -> String {
         out.push('\n');
     }
     out
+}
+
+/// connreap.toml(5): what the file is, then every setting with its default and meaning, as
+/// connreap.example.toml documents them (shown verbatim).
+pub fn config_man_page(example: &str, version: &str) -> String {
+    let body = example.split_once("\n\n").map_or(example, |(_, rest)| rest);
+    let mut settings = String::new();
+    for line in body.lines() {
+        let line = line.replace('\\', "\\e").replace('-', "\\-");
+        if line.starts_with('.') || line.starts_with('\'') {
+            settings.push_str("\\&");
+        }
+        settings.push_str(&line);
+        settings.push('\n');
+    }
+    format!(
+        ".TH CONNREAP.TOML 5 \"\" \"connreap {version}\" \"File Formats\"\n\
+         .SH NAME\n\
+         connreap.toml \\- configuration of the connreap agent\n\
+         .SH SYNOPSIS\n\
+         \\fI/etc/connreap/connreap.toml\\fR\n\
+         .SH DESCRIPTION\n\
+         The configuration of \\fBconnreap\\fR(1), in TOML. Every key is optional and has a \
+         built\\-in default; the packaged file has every key commented out. \
+         \\fBconnreap check\\-config\\fR \\fIFILE\\fR validates a file and exits 78 naming \
+         the file, line and key of an error; \\fBconnreap run\\fR refuses an invalid file \
+         the same way. Durations are strings such as \"30s\", \"5m\", \"1h\".\n\
+         .SH SETTINGS\n\
+         Each table with its keys, their defaults (as values) and meaning (as comments):\n\
+         .PP\n.nf\n{settings}.fi\n\
+         .SH FILES\n\
+         .TP\n\\fI/etc/connreap/connreap.toml\\fR\nThe configuration connreap reads by default.\n\
+         .TP\n\\fI/usr/share/doc/connreap/examples/connreap.example.toml\\fR\n\
+         The same settings, not commented out.\n\
+         .SH \"SEE ALSO\"\n\\fBconnreap\\fR(1), \\fBconnreap\\-run\\fR(1), \
+         \\fBconnreap\\-check\\-config\\fR(1)\n"
+    )
 }
 
 fn is_table_header(line: &str) -> bool {
@@ -241,6 +286,24 @@ mod tests {
         assert!(conf.contains("\n[agent]\n"));
         assert!(conf.contains("\n# listen = \"127.0.0.1:9477\"\n"));
         assert!(!conf.contains("Copy to /etc/connreap"));
+    }
+
+    #[test]
+    fn the_config_man_page_holds_every_key() {
+        let example = fs::read_to_string(root().join("connreap.example.toml")).expect("example");
+        let page = config_man_page(&example, "0.1.0");
+        assert!(page.starts_with(".TH CONNREAP.TOML 5 "), "{page}");
+        assert!(page.contains("\n.SH SETTINGS\n"));
+        assert!(page.contains("\n.SH FILES\n"));
+        assert!(page.contains("\nlisten = \"127.0.0.1:9477\"\n"), "{page}");
+        // Inside .nf no line may start a roff request.
+        let settings = page.split(".nf\n").nth(1).expect("nf");
+        let settings = settings.split("\n.fi\n").next().expect("fi");
+        assert!(settings
+            .lines()
+            .all(|l| !l.starts_with('.') && !l.starts_with('\'')));
+        // Every hyphen is escaped (a minus sign, as in the keys' values).
+        assert!(!settings.replace("\\-", "").contains('-'));
     }
 
     #[test]

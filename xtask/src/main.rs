@@ -4,6 +4,9 @@
 mod bench;
 mod debtest;
 mod dist;
+mod image;
+mod imagetest;
+mod monitoring;
 mod promtool;
 mod setup;
 mod shipcheck;
@@ -50,6 +53,16 @@ enum Cmd {
     Vmtest(vmtest::VmtestArgs),
     /// The .deb (target/dist/deb/): BPF object, release agent, man pages, completions, conffile.
     Dist,
+    /// The OCI image localhost/connreap:VERSION, with no registry: the stripped release binary
+    /// on a Debian base made with mmdebstrap (root; installs podman, buildah, mmdebstrap, runc).
+    Image {
+        /// Then run it under podman as the DaemonSet does, next to a leaking container.
+        #[arg(long)]
+        test: bool,
+        /// Use the release binary already built.
+        #[arg(long)]
+        no_build: bool,
+    },
     /// What ships: the unit's security score, the Kubernetes manifests, and (root) the .deb
     /// installed, used and purged. All three without flags.
     ShipCheck(shipcheck::Args),
@@ -236,6 +249,8 @@ fn main() -> Result<()> {
             if promtool {
                 promtool::check_live_metrics()?;
             }
+            // The image under podman as the DaemonSet runs it.
+            imagetest::run_test(true)?;
             // The kernel matrix under QEMU (skipped when CONNREAP_SKIP_VMTEST=1).
             vmtest::from_test()?;
             // The .deb installed, used, reinstalled and purged on this machine.
@@ -247,6 +262,13 @@ fn main() -> Result<()> {
         }
         Cmd::Vmtest(args) => vmtest::run(args),
         Cmd::Dist => dist::build().map(|_| ()),
+        Cmd::Image { test, no_build } => {
+            if test {
+                imagetest::run_test(no_build)
+            } else {
+                image::build(no_build).map(drop)
+            }
+        }
         Cmd::ShipCheck(args) => shipcheck::check(args),
         Cmd::Bench(args) => bench::run(args),
         Cmd::BenchWorker(args) => bench::worker(args),

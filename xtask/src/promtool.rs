@@ -52,7 +52,8 @@ pub fn ensure() -> Result<bool> {
     Ok(true)
 }
 
-/// `promtool check rules` and `promtool test rules` on deploy/prometheus.
+/// `promtool check rules` and `promtool test rules` on deploy/prometheus (the rules' unit
+/// tests, and the same rules on the labels the Prometheus Operator attaches).
 pub fn check_rules() -> Result<()> {
     let dir = rules_dir();
     run(Command::new("promtool")
@@ -62,7 +63,8 @@ pub fn check_rules() -> Result<()> {
     run(Command::new("promtool")
         .arg("test")
         .arg("rules")
-        .arg(dir.join("connreap-rules.test.yml")))
+        .arg(dir.join("connreap-rules.test.yml"))
+        .arg(root().join(crate::monitoring::KUBERNETES_RULES_TEST)))
 }
 
 /// The Prometheus text format a scraper gets from a running agent (in its own namespace, with

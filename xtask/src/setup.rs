@@ -107,6 +107,8 @@ const TEST_PACKAGES: &[(&str, &str)] = &[
     // The pod tests: Services as DNAT rules, and the relay incident's proxy on Node.js.
     ("iptables", "/usr/sbin/iptables"),
     ("nodejs", "/usr/bin/node"),
+    // `curl /metrics | promtool check metrics`, as an operator checks an agent.
+    ("curl", "/usr/bin/curl"),
 ];
 
 /// Install the test-only packages that are missing (their services are not started: there

@@ -2,8 +2,9 @@
 //! - `security`: `systemd-analyze security --offline=true` exposure of systemd/connreap.service
 //!   at most [`MAX_EXPOSURE`];
 //! - `manifests`: deploy/kubernetes validated against the Kubernetes schemas (kubernetes-validate
-//!   from PyPI, strict) and the PodMonitor against prometheus-operator's (npm), tools installed
-//!   under target/xtask-tools;
+//!   from PyPI, strict) and the PodMonitor and PrometheusRule against prometheus-operator's
+//!   (npm), tools installed under target/xtask-tools; both agree with the shipped rules
+//!   (module `monitoring`);
 //! - `deb`: the .deb installed with dpkg, used, reinstalled, removed and purged (module `debtest`).
 use std::{
     fs,
@@ -25,8 +26,9 @@ const NPM_PACKAGES: &[&str] = &["@kubernetes-models/prometheus-operator@6.0.0", 
 /// securityContext needs 1.30).
 const KUBERNETES_VERSIONS: &[&str] = &["1.30.0", "1.37.0"];
 
-/// The script that validates the PodMonitor (run with node from the npm tools directory).
-const PODMONITOR_CHECK: &str = include_str!("podmonitor_check.mjs");
+/// The script that validates the PodMonitor and the PrometheusRule (run with node from the npm
+/// tools directory).
+const MONITORING_CHECK: &str = include_str!("monitoring_check.mjs");
 
 #[derive(clap::Args)]
 pub struct Args {
@@ -149,33 +151,41 @@ fn ensure_validators() -> Result<(PathBuf, PathBuf)> {
             ])
             .args(NPM_PACKAGES))?;
     }
-    fs::write(npm.join("podmonitor_check.mjs"), PODMONITOR_CHECK)?;
+    fs::write(npm.join("monitoring_check.mjs"), MONITORING_CHECK)?;
     Ok((validate, npm))
 }
 
 /// Every manifest under deploy/kubernetes is valid for each of [`KUBERNETES_VERSIONS`]
-/// (strict: unknown fields are errors), the PodMonitor for prometheus-operator, and the
-/// ConfigMap's config is the default one.
+/// (strict: unknown fields are errors), the PodMonitor and PrometheusRule for
+/// prometheus-operator and in step with the shipped rules, and the ConfigMap's config is the
+/// default one.
 pub fn manifests() -> Result<()> {
     let dir = kubernetes_dir();
     let mut core = Vec::new();
-    let mut podmonitors = Vec::new();
+    let mut operator = Vec::new();
     for e in fs::read_dir(&dir).with_context(|| format!("cannot list {}", dir.display()))? {
         let p = e?.path();
         if p.extension().is_some_and(|x| x == "yaml") {
             let text = fs::read_to_string(&p)?;
-            if text.contains("kind: PodMonitor") {
-                podmonitors.push(p);
+            if text.contains("kind: PodMonitor") || text.contains("kind: PrometheusRule") {
+                operator.push(p);
             } else {
                 core.push(p);
             }
         }
     }
     core.sort();
-    if core.is_empty() || podmonitors.is_empty() {
-        bail!("{}: expected manifests and a PodMonitor", dir.display());
+    operator.sort();
+    if core.is_empty() || operator.len() != 2 {
+        bail!(
+            "{}: expected manifests, a PodMonitor and a PrometheusRule",
+            dir.display()
+        );
     }
     check_configmap(&fs::read_to_string(dir.join("configmap.yaml"))?)?;
+    check_mount_propagation(&fs::read_to_string(dir.join("daemonset.yaml"))?)?;
+    crate::monitoring::check_prometheus_rule()?;
+    crate::monitoring::check_job()?;
     let (validate, npm) = ensure_validators()?;
     for v in KUBERNETES_VERSIONS {
         run(Command::new(&validate)
@@ -184,14 +194,48 @@ pub fn manifests() -> Result<()> {
     }
     run(Command::new("node")
         .current_dir(&npm)
-        .arg("podmonitor_check.mjs")
-        .args(&podmonitors))?;
+        .arg("monitoring_check.mjs")
+        .args(&operator))?;
     eprintln!(
-        "xtask: {} manifests valid for Kubernetes {} (strict), {} PodMonitor valid",
+        "xtask: {} manifests valid for Kubernetes {} (strict), PodMonitor and PrometheusRule valid",
         core.len(),
         KUBERNETES_VERSIONS.join(" and "),
-        podmonitors.len()
     );
+    Ok(())
+}
+
+/// The API server refuses `mountPropagation: Bidirectional` in a container that is not
+/// privileged (the schemas do not say so): every container of the pod template that asks for
+/// it must be privileged.
+fn check_mount_propagation(daemonset: &str) -> Result<()> {
+    let mut blocks: Vec<String> = Vec::new();
+    let mut section = "";
+    for line in daemonset.lines() {
+        if let Some(key) = line.strip_prefix("      ").filter(|l| !l.starts_with(' ')) {
+            section = key.trim_end_matches(':');
+            continue;
+        }
+        if !matches!(section, "containers" | "initContainers") {
+            continue;
+        }
+        if line.starts_with("        - ") {
+            blocks.push(String::new());
+        }
+        if let Some(b) = blocks.last_mut() {
+            b.push_str(line);
+            b.push('\n');
+        }
+    }
+    for b in &blocks {
+        if b.contains("mountPropagation: Bidirectional") && !b.contains("privileged: true") {
+            bail!(
+                "daemonset.yaml: a container that is not privileged asks for Bidirectional mount propagation (the API server refuses it):\n{b}"
+            );
+        }
+    }
+    if blocks.len() < 2 {
+        bail!("daemonset.yaml: expected an init container and a container");
+    }
     Ok(())
 }
 
@@ -274,6 +318,19 @@ mod tests {
     fn the_configmap_holds_the_default_config() {
         let yaml = fs::read_to_string(kubernetes_dir().join("configmap.yaml")).expect("configmap");
         check_configmap(&yaml).expect("in sync");
+    }
+
+    #[test]
+    fn bidirectional_propagation_only_in_privileged_containers() {
+        let ds = fs::read_to_string(kubernetes_dir().join("daemonset.yaml")).expect("daemonset");
+        check_mount_propagation(&ds).expect("the shipped DaemonSet");
+        let agent_bidirectional = ds.replacen(
+            "              mountPropagation: HostToContainer",
+            "              mountPropagation: Bidirectional",
+            1,
+        );
+        assert_ne!(agent_bidirectional, ds);
+        assert!(check_mount_propagation(&agent_bidirectional).is_err());
     }
 
     #[test]

@@ -64,6 +64,8 @@ fn from_path(path: &str) -> Option<Container> {
         pod_uid: pod_uid(&comps[..at]),
         pod_name: None,
         pod_namespace: None,
+        name: None,
+        image: None,
     })
 }
 

@@ -211,7 +211,7 @@ fn is_k8s_name(s: &str) -> bool {
 
 /// A JSON state file, when it is a regular file of at most [`MAX_STATE_FILE`] bytes that
 /// parses as `T`. Opened non-blocking so a FIFO planted at the path cannot hang the scan.
-fn read_json<T: DeserializeOwned>(path: &Path) -> Option<T> {
+pub(super) fn read_json<T: DeserializeOwned>(path: &Path) -> Option<T> {
     let file: File = OpenOptions::new()
         .read(true)
         .custom_flags(libc::O_NONBLOCK)
@@ -272,6 +272,8 @@ mod tests {
             pod_uid: Some(UID.to_string()),
             pod_name: None,
             pod_namespace: None,
+            name: None,
+            image: None,
         }
     }
 

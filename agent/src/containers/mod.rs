@@ -23,6 +23,18 @@
 //! - the kubelet's pod log directories, whatever the runtime: the names of the entries of
 //!   `var/log/pods/`, `<namespace>_<pod name>_<pod uid>` (the default log directory only).
 //!
+//! Container names and images ([`ContainerNames`]), cached per container id, from:
+//!
+//! - podman: `var/lib/containers/storage/overlay-containers/containers.json` (else the same
+//!   under `run/`): the container's entry, its first `names` and the `image-name` of its
+//!   `metadata`;
+//! - CRI-O: the `userdata/config.json` above, annotations `io.kubernetes.container.name` and
+//!   `io.kubernetes.cri-o.ImageName`;
+//! - containerd: the task `config.json` above (and nerdctl's under
+//!   `run/containerd/io.containerd.runtime.v2.task/default/`), annotations
+//!   `io.kubernetes.cri.container-name` (or `nerdctl/name`) and `io.kubernetes.cri.image-name`;
+//! - Docker: the `config.v2.json` above, `Name` and `Config.Image`.
+//!
 //! The runtime named by the cgroup path is tried first, then the others (with the cgroupfs
 //! driver the path cannot tell the runtimes apart), then the log directories. A state file is
 //! read only when it is a regular file, at most 4 MiB of it; a missing, unreadable, oversized
@@ -31,9 +43,11 @@
 //! hostname, which `spec.hostname` overrides and which is the node's for host-network pods.
 mod cgroup;
 mod kube;
+mod names;
 
 pub use cgroup::from_cgroup;
 pub use kube::PodNames;
+pub use names::ContainerNames;
 
 /// The container runtime a cgroup path names.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -68,6 +82,10 @@ pub struct Container {
     /// Filled by [`PodNames::fill`].
     pub pod_name: Option<String>,
     pub pod_namespace: Option<String>,
+    /// The container's name and image as its runtime recorded them; filled by
+    /// [`ContainerNames::fill`].
+    pub name: Option<String>,
+    pub image: Option<String>,
 }
 
 impl Container {
@@ -101,6 +119,8 @@ mod tests {
             pod_uid: None,
             pod_name: None,
             pod_namespace: None,
+            name: None,
+            image: None,
         };
         assert_eq!(c.short_id(), "0123456789ab");
         c.id = "short".into();

@@ -32,7 +32,8 @@ pub fn ns_part(netns: &Netns) -> String {
     }
 }
 
-/// "pod shop/web-7f9c (containerd 0123456789ab)" / "container docker 0123456789ab"
+/// "pod shop/web-7f9c (containerd 0123456789ab)" / "container docker 0123456789ab" /
+/// "container podman web (0123456789ab, image nginx:1.25)" when the runtime named it.
 pub fn describe_container(c: &Container) -> String {
     match (&c.pod_namespace, &c.pod_name) {
         (Some(ns), Some(name)) => {
@@ -40,7 +41,17 @@ pub fn describe_container(c: &Container) -> String {
         }
         _ => match &c.pod_uid {
             Some(uid) => format!("pod uid {uid} ({} {})", c.runtime.as_str(), c.short_id()),
-            None => format!("container {} {}", c.runtime.as_str(), c.short_id()),
+            None => match (&c.name, &c.image) {
+                (Some(name), Some(image)) => format!(
+                    "container {} {name} ({}, image {image})",
+                    c.runtime.as_str(),
+                    c.short_id()
+                ),
+                (Some(name), None) => {
+                    format!("container {} {name} ({})", c.runtime.as_str(), c.short_id())
+                }
+                _ => format!("container {} {}", c.runtime.as_str(), c.short_id()),
+            },
         },
     }
 }
@@ -70,12 +81,15 @@ pub fn place_text(netns: &Netns, container: Option<&Container>) -> String {
 }
 
 /// A finding's container as flat fields, named as snapshot rows name them: `container` (the
-/// full id), `container_runtime`, `pod_uid`, `pod_name`, `pod_namespace`; nothing without one.
+/// full id), `container_runtime`, `container_name`, `container_image`, `pod_uid`, `pod_name`,
+/// `pod_namespace`; nothing without one.
 pub fn ser_container<S: Serializer>(c: &Option<Container>, s: S) -> Result<S::Ok, S::Error> {
     let mut m = s.serialize_map(None)?;
     if let Some(c) = c {
         m.serialize_entry("container", &c.id)?;
         m.serialize_entry("container_runtime", c.runtime.as_str())?;
+        m.serialize_entry("container_name", &c.name)?;
+        m.serialize_entry("container_image", &c.image)?;
         m.serialize_entry("pod_uid", &c.pod_uid)?;
         m.serialize_entry("pod_name", &c.pod_name)?;
         m.serialize_entry("pod_namespace", &c.pod_namespace)?;
@@ -110,6 +124,8 @@ pub(crate) mod testutil {
             pod_uid: pod.map(|_| "11111111-2222-3333-4444-555555555555".to_string()),
             pod_name: pod.map(|(_, n)| n.to_string()),
             pod_namespace: pod.map(|(ns, _)| ns.to_string()),
+            name: None,
+            image: None,
         }
     }
 
@@ -130,6 +146,30 @@ pub(crate) mod testutil {
 mod tests {
     use super::{testutil::*, *};
     use crate::containers::Runtime;
+
+    #[test]
+    fn a_named_container_is_described_by_name_and_image() {
+        let mut c = container("0123456789ab", Runtime::Podman, None);
+        assert_eq!(describe_container(&c), "container podman 0123456789ab");
+        c.name = Some("web".into());
+        assert_eq!(
+            describe_container(&c),
+            "container podman web (0123456789ab)"
+        );
+        c.image = Some("nginx:1.25".into());
+        assert_eq!(
+            describe_container(&c),
+            "container podman web (0123456789ab, image nginx:1.25)"
+        );
+        // The fingerprint does not change with the name.
+        assert_eq!(identity("java", None, Some(&c)), "java@podman:0123456789ab");
+        let json = serde_json::to_value(Wrap(Some(c))).expect("json");
+        assert_eq!(json["container_name"], "web");
+        assert_eq!(json["container_image"], "nginx:1.25");
+    }
+
+    #[derive(serde::Serialize)]
+    struct Wrap(#[serde(serialize_with = "ser_container")] Option<Container>);
 
     #[test]
     fn identities_name_pod_or_container_never_pid() {

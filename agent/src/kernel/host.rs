@@ -4,7 +4,7 @@ use std::{fs, os::fd::AsRawFd, path::Path};
 
 use super::KernelError;
 
-fn is_mounted(path: &str, fstype: &str) -> bool {
+pub(super) fn is_mounted(path: &str, fstype: &str) -> bool {
     fs::read_to_string("/proc/self/mounts").is_ok_and(|m| {
         m.lines().any(|l| {
             let mut f = l.split_whitespace();

@@ -177,6 +177,13 @@ impl SocketDump {
     }
 }
 
+/// Mount bpffs at [`BPFFS`] unless it is mounted; whether this call mounted it.
+pub fn mount_bpffs() -> Result<bool, KernelError> {
+    let was = host::is_mounted(BPFFS, "bpf");
+    host::ensure_mounted("bpf", BPFFS)?;
+    Ok(!was)
+}
+
 impl Kernel {
     /// Load the object, (re)use the pinned state tracker and load the iterators.
     pub fn load(verbose: bool) -> Result<Self, KernelError> {

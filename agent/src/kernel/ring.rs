@@ -16,7 +16,7 @@ use super::{
     events::{self, FlushRound, Flusher},
     procfs,
 };
-use crate::containers::{self, Container, PodNames};
+use crate::containers::{self, Container, ContainerNames, PodNames};
 
 /// An active open's key: the connecting process (pid, and its name as the owner dump and
 /// `snapshot` show it), the connecting thread's name, the remote port and the socket's network
@@ -57,6 +57,7 @@ struct Process {
 struct Processes {
     procs: FxHashMap<u32, (Process, Instant)>,
     pods: PodNames,
+    names: ContainerNames,
 }
 
 impl Default for Processes {
@@ -64,6 +65,7 @@ impl Default for Processes {
         Processes {
             procs: FxHashMap::default(),
             pods: PodNames::new("/"),
+            names: ContainerNames::new("/"),
         }
     }
 }
@@ -71,13 +73,13 @@ impl Default for Processes {
 impl Processes {
     /// Process `pid` as of `now` within NAME_TTL.
     fn get(&mut self, pid: u32, now: Instant) -> Process {
-        let pods = &mut self.pods;
+        let (pods, names) = (&mut self.pods, &mut self.names);
         let (p, at) = self
             .procs
             .entry(pid)
-            .or_insert_with(|| (read_process(pid, pods), now));
+            .or_insert_with(|| (read_process(pid, pods, names), now));
         if now.duration_since(*at) >= NAME_TTL {
-            *p = read_process(pid, pods);
+            *p = read_process(pid, pods, names);
             *at = now;
         }
         p.clone()
@@ -94,14 +96,21 @@ impl Processes {
             .filter_map(|(p, _)| p.container.as_ref()?.pod_uid.clone())
             .collect();
         self.pods.retain(&live);
+        let live: HashSet<String> = self
+            .procs
+            .values()
+            .filter_map(|(p, _)| Some(p.container.as_ref()?.id.clone()))
+            .collect();
+        self.names.retain(&live);
     }
 }
 
-fn read_process(pid: u32, pods: &mut PodNames) -> Process {
+fn read_process(pid: u32, pods: &mut PodNames, names: &mut ContainerNames) -> Process {
     let container = procfs::cgroup(pid)
         .and_then(|c| containers::from_cgroup(&c))
         .map(|mut c| {
             pods.fill(&mut c);
+            names.fill(&mut c);
             Arc::new(c)
         });
     Process {

@@ -8,10 +8,11 @@ use std::collections::HashMap;
 /// An exposition format.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Format {
-    /// `application/openmetrics-text; version=1.0.0` (what Prometheus asks for first).
+    /// `application/openmetrics-text; version=1.0.0`, when the scraper asks for it (Prometheus
+    /// does).
     OpenMetrics,
-    /// `text/plain; version=0.0.4`, the classic Prometheus text format (`promtool check
-    /// metrics`, older scrapers).
+    /// `text/plain; version=0.0.4`, the classic Prometheus text format: the default
+    /// (`curl | promtool check metrics`, older scrapers).
     Prometheus,
 }
 
@@ -23,12 +24,14 @@ impl Format {
         }
     }
 
-    /// The format an `Accept` header prefers: the Prometheus text format when `text/plain` has
-    /// a higher quality than OpenMetrics (or OpenMetrics is not listed); OpenMetrics otherwise,
-    /// and when the header is absent or accepts anything (`*/*`) equally.
+    /// The format an `Accept` header asks for: OpenMetrics only when it lists
+    /// `application/openmetrics-text` with a quality above zero and at least that of
+    /// `text/plain` (as Prometheus 2.x and later ask); the Prometheus text format otherwise,
+    /// including without a header or with `*/*` alone, so that `curl | promtool check metrics`
+    /// and text-only scrapers get what they parse.
     pub fn negotiate(accept: Option<&str>) -> Format {
         let Some(accept) = accept else {
-            return Format::OpenMetrics;
+            return Format::Prometheus;
         };
         let (mut open, mut text) = (None::<f32>, None::<f32>);
         for range in accept.split(',') {
@@ -45,9 +48,9 @@ impl Format {
             };
             *slot = Some(slot.map_or(q, |old| old.max(q)));
         }
-        match (open, text) {
-            (_, Some(t)) if t > 0.0 && t > open.unwrap_or(0.0) => Format::Prometheus,
-            _ => Format::OpenMetrics,
+        match open {
+            Some(o) if o > 0.0 && o >= text.unwrap_or(0.0) => Format::OpenMetrics,
+            _ => Format::Prometheus,
         }
     }
 }
@@ -106,15 +109,17 @@ mod tests {
     fn negotiates_like_prometheus_and_promtool_ask() {
         use Format::*;
         for (accept, want) in [
-            (None, OpenMetrics),
-            (Some("*/*"), OpenMetrics),
-            (Some("application/json"), OpenMetrics),
+            (None, Prometheus),
+            (Some("*/*"), Prometheus),
+            (Some("application/json"), Prometheus),
             // Prometheus 2.x's scrape Accept header.
             (Some("application/openmetrics-text;version=1.0.0,application/openmetrics-text;version=0.0.1;q=0.75,text/plain;version=0.0.4;q=0.5,*/*;q=0.1"), OpenMetrics),
+            (Some("application/openmetrics-text"), OpenMetrics),
             (Some("text/plain; version=0.0.4"), Prometheus),
             (Some("text/plain;version=0.0.4;q=0.9, application/openmetrics-text;q=0.5"), Prometheus),
             (Some("text/plain;q=0.5, application/openmetrics-text;q=0.5"), OpenMetrics),
-            (Some("text/plain;q=0"), OpenMetrics),
+            (Some("application/openmetrics-text;q=0"), Prometheus),
+            (Some("text/plain;q=0"), Prometheus),
             (Some("Text/Plain"), Prometheus),
         ] {
             assert_eq!(Format::negotiate(accept), want, "{accept:?}");

@@ -101,6 +101,8 @@ pub(crate) fn placed(mut s: Socket, ns: u32, container: Option<&str>) -> Socket 
                 pod_uid: None,
                 pod_name: None,
                 pod_namespace: None,
+                name: None,
+                image: None,
             })
         });
         *owner = Arc::new(o);

@@ -77,6 +77,8 @@ fn fields<W: RowWriter>(s: &Socket, w: &mut W) -> Result<(), W::Error> {
         if let Some(c) = &o.container {
             w.text(key!("container"), Some(&c.id))?;
             w.word(key!("container_runtime"), c.runtime.as_str())?;
+            w.text(key!("container_name"), c.name.as_deref())?;
+            w.text(key!("container_image"), c.image.as_deref())?;
             w.text(key!("pod_uid"), c.pod_uid.as_deref())?;
             w.text(key!("pod_name"), c.pod_name.as_deref())?;
             w.text(key!("pod_namespace"), c.pod_namespace.as_deref())?;
@@ -321,12 +323,14 @@ mod tests {
                 pod_uid: Some("uid".into()),
                 pod_name: Some("relay-0".into()),
                 pod_namespace: Some("edge".into()),
+                name: None,
+                image: None,
             })),
         }));
         s.shared_with = vec![2].into_boxed_slice();
         let row = serde_json::to_value(&s).unwrap();
         let keys: Vec<&String> = row.as_object().unwrap().keys().collect();
-        assert_eq!(keys.len(), 28);
+        assert_eq!(keys.len(), 30);
         for k in keys {
             assert!(
                 k.bytes().all(|b| b.is_ascii_lowercase() || b == b'_'),

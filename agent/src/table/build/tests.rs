@@ -126,7 +126,7 @@ fn serializes_the_documented_fields() {
     );
     assert_eq!(
         serde_json::to_string(&t[1]).unwrap(),
-        r#"{"inode":1002,"cookie":null,"local":"127.0.0.1:8080","peer":"127.0.0.1:40000","state":"CLOSE_WAIT","age_secs":60.0,"age_exact":true,"idle_secs":2.0,"last_recv_secs":10.0,"last_send_secs":2.0,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"inbound","service_port":8080,"netns":0,"netns_name":null,"pid":77,"comm":"java","fd":3,"unit":"gw.service","container":"0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f","container_runtime":"docker","pod_uid":null,"pod_name":null,"pod_namespace":null,"shared_with":[99]}"#
+        r#"{"inode":1002,"cookie":null,"local":"127.0.0.1:8080","peer":"127.0.0.1:40000","state":"CLOSE_WAIT","age_secs":60.0,"age_exact":true,"idle_secs":2.0,"last_recv_secs":10.0,"last_send_secs":2.0,"rx_queue":0,"tx_queue":0,"keepalive":false,"uid":0,"direction":"inbound","service_port":8080,"netns":0,"netns_name":null,"pid":77,"comm":"java","fd":3,"unit":"gw.service","container":"0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f0f","container_runtime":"docker","container_name":null,"container_image":null,"pod_uid":null,"pod_name":null,"pod_namespace":null,"shared_with":[99]}"#
     );
     assert_eq!(
         serde_json::to_string(&t[2]).unwrap(),

@@ -195,8 +195,9 @@ fn prometheus_scrapes_findings_and_evaluates_the_shipped_rules() {
     agent.assert_alive();
 }
 
-/// /metrics: OpenMetrics by default and for Prometheus's Accept header, the Prometheus text
-/// format (counter families named `_total`, no `# EOF`) when asked for text/plain.
+/// /metrics: the Prometheus text format (counter families named `_total`, no `# EOF`) by
+/// default, for `*/*` and when asked for text/plain; OpenMetrics when asked for it, as
+/// Prometheus's Accept header does.
 fn assert_exposition_formats(ns: &NetNs) {
     let get = |accept: Option<&str>| {
         let headers: Vec<(&str, &str)> = accept.map(|a| ("Accept", a)).into_iter().collect();
@@ -213,7 +214,11 @@ fn assert_exposition_formats(ns: &NetNs) {
         assert_eq!(r.status, 200);
         (r.header("content-type").unwrap_or("").to_string(), r.text())
     };
-    let (ct, om) = get(None);
+    for accept in [None, Some("*/*")] {
+        let (ct, _) = get(accept);
+        assert_eq!(ct, "text/plain; version=0.0.4; charset=utf-8", "{accept:?}");
+    }
+    let (ct, om) = get(Some("application/openmetrics-text"));
     assert!(
         ct.starts_with("application/openmetrics-text; version=1.0.0"),
         "{ct}"
