@@ -11,9 +11,12 @@ use crate::{
     alert::{Cadence, Tracker},
     api::{Published, TableView},
     config::Config,
-    detect::{self, ConnKey, Memory, StormTracker},
+    detect::{self, ConnKey, FailTracker, Memory, StormTracker, Target},
     engine::{Engine, ScanOutput},
-    kernel::ring::OpenKey,
+    kernel::{
+        outcome::Attempts,
+        ring::{AttemptKey, OpenKey},
+    },
     metrics::Metrics,
     poller::QuotaFeeds,
     quota::{self, QuotaStatus},
@@ -28,6 +31,8 @@ pub struct ScanLoop {
     pub quotas: QuotaFeeds,
     /// Active opens from the ring reader, per drain.
     pub opens: mpsc::UnboundedReceiver<Vec<(OpenKey, u64)>>,
+    /// Outbound connection attempts whose outcome is known, from the ring reader, per drain.
+    pub attempts: mpsc::UnboundedReceiver<Vec<(AttemptKey, Attempts)>>,
     pub published: watch::Sender<Published>,
     pub metrics: Arc<Metrics>,
     pub webhooks: Webhooks,
@@ -78,6 +83,7 @@ struct Carry {
     firing_saved_error: Option<String>,
     memory: Memory,
     storm: StormTracker,
+    failing: FailTracker,
     window_start: Instant,
 }
 
@@ -95,6 +101,7 @@ impl ScanLoop {
             alerts,
             memory: Memory::default(),
             storm: StormTracker::default(),
+            failing: FailTracker::default(),
             window_start: Instant::now(),
         };
         let mut watchdog_usec = 0u64;
@@ -150,6 +157,12 @@ impl ScanLoop {
             &table,
             &namespaces.known,
         );
+        self.feed_failing(
+            &mut carry.failing,
+            t0,
+            t0.duration_since(carry.window_start),
+            &namespaces.known,
+        );
         carry.window_start = t0;
         let findings = detect::run(
             &detect::Input {
@@ -158,6 +171,7 @@ impl ScanLoop {
                 quota_cfgs: &self.cfg.quota,
                 quotas: &quotas,
                 storm: &carry.storm,
+                failing: Some(&carry.failing),
                 nat: Some(&crate::kernel::procfs::conntrack),
             },
             &mut carry.memory,
@@ -236,6 +250,39 @@ impl ScanLoop {
         }
         storm.set_namespaces(namespaces);
         storm.close_window(window, &self.cfg.detect, table);
+    }
+
+    /// Connection outcomes since the last scan into the failing-upstream tracker and the
+    /// upstream connection metrics, and close its window.
+    fn feed_failing(
+        &mut self,
+        failing: &mut FailTracker,
+        now: Instant,
+        window: Duration,
+        namespaces: &[Arc<Netns>],
+    ) {
+        let by_inode: rustc_hash::FxHashMap<u32, &Netns> =
+            namespaces.iter().map(|n| (n.inode, &**n)).collect();
+        while let Ok(attempts) = self.attempts.try_recv() {
+            for (k, a) in attempts {
+                let netns = by_inode.get(&k.netns).copied();
+                self.metrics.observe_attempts(
+                    &k,
+                    &a,
+                    netns,
+                    self.cfg.detect.failing_metrics_by_address,
+                );
+                let target = Target {
+                    pid: k.pid,
+                    comm: k.comm,
+                    netns: k.netns,
+                    remote: k.remote,
+                };
+                failing.record(target, k.container, &a);
+            }
+        }
+        failing.set_namespaces(namespaces);
+        failing.close_window(now, window, &self.cfg.detect);
     }
 
     /// Every quota source's reading: HTTP sources from their pollers, static ones counted from

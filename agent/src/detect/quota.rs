@@ -404,6 +404,7 @@ limit = 4
             quota_cfgs,
             quotas: &quotas,
             storm: &storm,
+            failing: None,
             nat: None,
         };
         detect(&input, &Relations::new(table))
@@ -501,6 +502,7 @@ limit = 4
                 quota_cfgs: &cfgs,
                 quotas: &[st],
                 storm: &storm,
+                failing: None,
                 nat: None,
             },
             &Relations::new(&t),
