@@ -180,7 +180,8 @@ pub struct DetectConfig {
     pub failing_min_failures: usize,
     /// ...making at least this share of its attempts to that endpoint.
     pub failing_share: f64,
-    /// A connection reset or closed by the peer within this long of its handshake failed.
+    /// A connection reset by the peer within this long of its handshake failed (or closed by
+    /// the peer within it, then reset: see `kernel::outcome`).
     #[serde(with = "humantime_serde")]
     pub failing_short_lifetime: Duration,
     /// connreap_upstream_connections_total also carries the remote address (`remote_addr`):

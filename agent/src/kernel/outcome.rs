@@ -7,7 +7,10 @@
 //!   or an ICMP error answered the SYN), `timeout` otherwise (no answer: SYN retransmits ran
 //!   out, or the application gave up).
 //! - ESTABLISHED -> CLOSE within the short lifetime: `reset` (the peer's RST).
-//! - ESTABLISHED -> CLOSE_WAIT within the short lifetime: `closed` (the peer's FIN first).
+//! - ESTABLISHED -> CLOSE_WAIT within the short lifetime, then CLOSE_WAIT -> CLOSE: `closed`
+//!   (the peer closed first at once and reset what was sent to it: a server that accepts and
+//!   closes without reading). A peer FIN followed by this side's own close (CLOSE_WAIT ->
+//!   LAST_ACK) is how a fast server ends an HTTP `Connection: close` exchange: a success.
 //! - Anything else that got ESTABLISHED: `success` (it lived past the short lifetime, or this
 //!   side closed first).
 use std::{net::SocketAddr, time::Instant};
@@ -109,6 +112,9 @@ struct Pending {
     target: RawTarget,
     connect_j: u64,
     established_j: Option<u64>,
+    /// The peer's FIN came within the short lifetime (ESTABLISHED -> CLOSE_WAIT), after this
+    /// long (jiffies): the end of the connection tells success from failure.
+    peer_fin_life_j: Option<u64>,
     /// When the drain that saw its last transition ran.
     seen: Instant,
 }
@@ -159,6 +165,7 @@ impl Outcomes {
                 target,
                 connect_j: ev.ts_jiffies,
                 established_j: None,
+                peer_fin_life_j: None,
                 seen: now,
             };
             self.pending.insert(ev.skaddr, p);
@@ -167,6 +174,7 @@ impl Outcomes {
         let Some(p) = self.pending.get_mut(&ev.skaddr) else {
             return;
         };
+        let mut life_j = None;
         let outcome = match (ev.oldstate, ev.newstate, p.established_j) {
             (tcp_state::SYN_SENT, tcp_state::ESTABLISHED, None) => {
                 p.established_j = Some(ev.ts_jiffies);
@@ -182,11 +190,24 @@ impl Outcomes {
             }
             (tcp_state::ESTABLISHED, new, Some(at)) => {
                 let life = ev.ts_jiffies.saturating_sub(at);
+                life_j = Some(life);
                 match new {
                     _ if life >= self.short_j => Outcome::Success,
                     tcp_state::CLOSE => Outcome::Reset,
-                    tcp_state::CLOSE_WAIT => Outcome::Closed,
+                    tcp_state::CLOSE_WAIT => {
+                        p.peer_fin_life_j = Some(life);
+                        p.seen = now;
+                        return;
+                    }
                     _ => Outcome::Success,
+                }
+            }
+            (tcp_state::CLOSE_WAIT, new, Some(_)) => {
+                life_j = p.peer_fin_life_j;
+                if new == tcp_state::CLOSE {
+                    Outcome::Closed
+                } else {
+                    Outcome::Success
                 }
             }
             _ => return,
@@ -194,10 +215,7 @@ impl Outcomes {
         let Some(p) = self.pending.remove(&ev.skaddr) else {
             return;
         };
-        let life_ms = p
-            .established_j
-            .map(|at| self.ms(ev.ts_jiffies.saturating_sub(at)));
-        self.record(p, outcome, life_ms, out);
+        self.record(p, outcome, life_j.map(|j| self.ms(j)), out);
     }
 
     fn record(&self, p: Pending, o: Outcome, life_ms: Option<u64>, out: &mut Tally) {
@@ -220,13 +238,18 @@ impl Outcomes {
         // A drain may run up to a flush tick after the transition it read.
         let by_clock = self.short + std::time::Duration::from_secs(1);
         let mut done = Vec::new();
-        self.pending.retain(|sk, p| match p.established_j {
-            Some(at) if latest.saturating_sub(at) >= short_j || now - p.seen >= by_clock => {
-                done.push((*sk, p.clone()));
-                false
-            }
-            _ => now.duration_since(p.seen) < PENDING_TTL,
-        });
+        self.pending
+            .retain(|sk, p| match (p.established_j, p.peer_fin_life_j) {
+                // Closed by the peer at once, and this side has not closed yet: wait for its end.
+                (Some(_), Some(_)) => now.duration_since(p.seen) < PENDING_TTL,
+                (Some(at), None)
+                    if latest.saturating_sub(at) >= short_j || now - p.seen >= by_clock =>
+                {
+                    done.push((*sk, p.clone()));
+                    false
+                }
+                _ => now.duration_since(p.seen) < PENDING_TTL,
+            });
         for (_, p) in done {
             self.record(p, Outcome::Success, None, out);
         }
@@ -311,10 +334,11 @@ mod tests {
             ev(2, CLOSE, SYN_SENT, 300, 3),
             ev(2, SYN_SENT, ESTABLISHED, 301, 3),
             ev(2, ESTABLISHED, CLOSE, 305, 3),
-            // Accepted then closed by the peer at once.
+            // Accepted then closed by the peer at once, which reset the request sent to it.
             ev(3, CLOSE, SYN_SENT, 600, 3),
             ev(3, SYN_SENT, ESTABLISHED, 601, 3),
             ev(3, ESTABLISHED, CLOSE_WAIT, 610, 3),
+            ev(3, CLOSE_WAIT, CLOSE, 611, 3),
             // No answer for 3 s.
             ev(4, CLOSE, SYN_SENT, 1000, 4),
             ev(4, SYN_SENT, CLOSE, 4000, 4),
@@ -343,6 +367,11 @@ mod tests {
             ev(1, CLOSE, SYN_SENT, 0, 1),
             ev(1, SYN_SENT, ESTABLISHED, 1, 1),
             ev(1, ESTABLISHED, CLOSE, 1000, 1),
+            // A fast HTTP answer with Connection: close: the peer's FIN first, then ours.
+            ev(6, CLOSE, SYN_SENT, 0, 1),
+            ev(6, SYN_SENT, ESTABLISHED, 1, 1),
+            ev(6, ESTABLISHED, CLOSE_WAIT, 3, 1),
+            ev(6, CLOSE_WAIT, tcp_state::LAST_ACK, 4, 1),
             // Closed by us within a millisecond.
             ev(2, CLOSE, SYN_SENT, 0, 1),
             ev(2, SYN_SENT, ESTABLISHED, 1, 1),
@@ -358,7 +387,7 @@ mod tests {
             ev(5, ESTABLISHED, CLOSE, 6, 9),
         ]);
         let good = of(&t, 1);
-        assert_eq!((good.get(Outcome::Success), good.failures()), (3, 0));
+        assert_eq!((good.get(Outcome::Success), good.failures()), (4, 0));
         assert!(good.failed_at_ms.is_empty());
         assert_eq!(of(&t, 9).total(), 0);
         assert_eq!(

@@ -258,7 +258,7 @@ fn drain(ring: &mut RingBuf<MapData>, names: &mut Processes, outcomes: &mut Outc
 fn is_outbound_step(old: u8) -> bool {
     matches!(
         old,
-        tcp_state::CLOSE | tcp_state::SYN_SENT | tcp_state::ESTABLISHED
+        tcp_state::CLOSE | tcp_state::SYN_SENT | tcp_state::ESTABLISHED | tcp_state::CLOSE_WAIT
     )
 }
 
