@@ -56,7 +56,8 @@ pub struct FailingUpstream {
     pub kinds: BTreeMap<&'static str, u64>,
     /// The span the counts cover.
     pub window_secs: f64,
-    /// The median interval between failed attempts (the retry interval seen).
+    /// The median interval between consecutive failed attempts: the retry backoff when one
+    /// request retries at a time, a fraction of it when several do at once.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub retry_interval_secs: Option<f64>,
     /// The longest life of a connection counted reset or closed by the peer.
@@ -215,7 +216,7 @@ impl FailTracker {
             .map(|o| format!("{} {}", a.get(*o), describe_kind(*o, max_life_ms)))
             .collect();
         let retry_text = retry
-            .map(|s| format!(", retrying every {}", secs_text(s)))
+            .map(|s| format!(", a failed attempt every {}", secs_text(s)))
             .unwrap_or_default();
         let tail = if healthy.is_empty() {
             let tried: Vec<String> = alternatives

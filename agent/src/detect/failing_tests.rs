@@ -88,7 +88,7 @@ fn retries_that_keep_hitting_one_dead_upstream_are_named() {
     assert_eq!(
         f.summary,
         "node pid 812 made 40 failed connections in 20s to 10.0.0.3:8080 (40 reset by peer \
-         within 4ms) of 40 attempts, retrying every 300ms; other endpoints of port 8080 \
+         within 4ms) of 40 attempts, a failed attempt every 300ms; other endpoints of port 8080 \
          succeed: 10.0.0.2:8080 (20 ok), 10.0.0.1:8080 (10 ok): retries do not switch to them"
     );
 }
@@ -121,7 +121,7 @@ fn when_no_endpoint_succeeds_it_is_an_outage() {
     );
     assert!(
         f[0].summary.contains(
-            "(20 refused) of 20 attempts, retrying every 500ms; no other endpoint of port 5432 \
+            "(20 refused) of 20 attempts, a failed attempt every 500ms; no other endpoint of port 5432 \
              succeeds either (10.0.0.4:5432 (10 failed)): an outage of the service"
         ),
         "{}",
