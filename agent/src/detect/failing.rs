@@ -66,9 +66,16 @@ pub struct FailingUpstream {
     /// `retries_do_not_switch` when other endpoints of the port succeed for this process,
     /// `outage` when none does.
     pub verdict: &'static str,
-    /// The other endpoints of the port this process connected to, successes first.
+    /// The other endpoints of the port this process connected to, successes first (at most
+    /// [`MAX_ALTERNATIVES`]).
     pub alternatives: Vec<EndpointCount>,
 }
+
+/// Other endpoints listed in a finding.
+pub const MAX_ALTERNATIVES: usize = 8;
+
+/// Targets kept per window before successes-only ones are dropped (see `FailTracker::record`).
+const MAX_TARGETS: usize = 20_000;
 
 /// The endpoints of one port a process connects to: (pid, comm, netns inode, port).
 type Group<'a> = (u32, &'a str, u32, u16);
@@ -96,8 +103,17 @@ pub struct FailTracker {
 }
 
 impl FailTracker {
-    /// Attempts of `target` whose outcome became known, by a process in `container`.
+    /// Attempts of `target` whose outcome became known, by a process in `container`. Beyond
+    /// [`MAX_TARGETS`] targets in one window, only those with failures are kept (the memory of
+    /// a proxy talking to very many endpoints stays bounded; successes only matter as the
+    /// alternatives of a failing endpoint).
     pub fn record(&mut self, target: Target, container: Option<Arc<Container>>, a: &Attempts) {
+        if self.current.len() >= MAX_TARGETS
+            && a.failures() == 0
+            && !self.current.contains_key(&target)
+        {
+            return;
+        }
         match container {
             Some(c) => self.containers.insert(target.pid, c),
             None => self.containers.remove(&target.pid),
@@ -194,9 +210,16 @@ impl FailTracker {
                 .cmp(&x.successes)
                 .then(x.endpoint.cmp(&y.endpoint))
         });
+        let healthy_count = alternatives.iter().filter(|e| e.successes > 0).count();
+        let more = alternatives.len().saturating_sub(MAX_ALTERNATIVES);
+        alternatives.truncate(MAX_ALTERNATIVES);
+        let more_text = match more {
+            0 => String::new(),
+            n => format!(" and {n} more"),
+        };
         let healthy: Vec<&EndpointCount> =
             alternatives.iter().filter(|e| e.successes > 0).collect();
-        let verdict = if healthy.is_empty() {
+        let verdict = if healthy_count == 0 {
             "outage"
         } else {
             "retries_do_not_switch"
@@ -218,7 +241,7 @@ impl FailTracker {
         let retry_text = retry
             .map(|s| format!(", a failed attempt every {}", secs_text(s)))
             .unwrap_or_default();
-        let tail = if healthy.is_empty() {
+        let tail = if healthy_count == 0 {
             let tried: Vec<String> = alternatives
                 .iter()
                 .map(|e| format!("{} ({} failed)", e.endpoint, e.failures))
@@ -230,8 +253,8 @@ impl FailTracker {
                 )
             } else {
                 format!(
-                    "; no other endpoint of port {port} succeeds either ({}): an outage of \
-                     the service, not a retry selector bug",
+                    "; no other endpoint of port {port} succeeds either ({}{more_text}): an \
+                     outage of the service, not a retry selector bug",
                     tried.join(", ")
                 )
             }
@@ -240,8 +263,13 @@ impl FailTracker {
                 .iter()
                 .map(|e| format!("{} ({} ok)", e.endpoint, e.successes))
                 .collect();
+            let more_ok = match healthy_count - healthy.len() {
+                0 => String::new(),
+                n => format!(" and {n} more"),
+            };
             format!(
-                "; other endpoints of port {port} succeed: {}: retries do not switch to them",
+                "; other endpoints of port {port} succeed: {}{more_ok}: retries do not switch \
+                 to them",
                 ok.join(", ")
             )
         };

@@ -231,3 +231,42 @@ fn retry_interval_is_the_median_gap() {
     assert_eq!(retry_interval(&[5]), None);
     assert_eq!(retry_interval(&[1000, 0, 300, 600, 5000]), Some(0.4));
 }
+
+/// A window holds at most MAX_TARGETS targets; beyond, failing ones are still kept.
+#[test]
+fn targets_per_window_are_bounded_but_failures_kept() {
+    let cfg = DetectConfig::default();
+    let mut t = FailTracker::default();
+    for i in 0..(MAX_TARGETS as u32 + 100) {
+        let remote = std::net::SocketAddr::from((std::net::Ipv4Addr::from(0x0a00_0000 + i), 443));
+        t.record(
+            Target {
+                pid: 1,
+                comm: "proxy".into(),
+                netns: 0,
+                remote,
+            },
+            None,
+            &attempts(Outcome::Success, 1, 0, 0),
+        );
+    }
+    let mut failing = target(1, "192.0.2.1:443");
+    failing.comm = "proxy".into();
+    t.record(failing, None, &attempts(Outcome::Refused, 12, 0, 100));
+    assert_eq!(t.current.len(), MAX_TARGETS + 1);
+    t.close_window(Instant::now(), Duration::from_secs(5), &cfg);
+    let f = t.findings(&cfg);
+    assert_eq!(f.len(), 1);
+    let u = f[0].failing.as_ref().unwrap();
+    assert_eq!(u.endpoint, "192.0.2.1:443");
+    // The alternatives are listed up to MAX_ALTERNATIVES; the summary says how many more.
+    assert_eq!(u.alternatives.len(), MAX_ALTERNATIVES);
+    assert!(
+        f[0].summary.ends_with(&format!(
+            " and {} more: retries do not switch to them",
+            MAX_TARGETS - MAX_ALTERNATIVES
+        )),
+        "{}",
+        f[0].summary
+    );
+}
