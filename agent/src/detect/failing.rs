@@ -63,8 +63,8 @@ pub struct FailingUpstream {
     /// The longest life of a connection counted reset or closed by the peer.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max_life_ms: Option<u64>,
-    /// `retries_do_not_switch` when other endpoints of the port succeed for this process,
-    /// `outage` when none does.
+    /// `retries_do_not_switch` when other endpoints of the port succeed for this process
+    /// (some successes, failures below `failing_share`), `outage` when none does.
     pub verdict: &'static str,
     /// The other endpoints of the port this process connected to, successes first (at most
     /// [`MAX_ALTERNATIVES`]).
@@ -189,13 +189,19 @@ impl FailTracker {
                     .filter(|(o, _)| o.remote != t.remote)
                     .copied()
                     .collect();
-                out.push(self.finding(t, a, &others));
+                out.push(self.finding(t, a, &others, cfg.failing_share));
             }
         }
         out
     }
 
-    fn finding(&self, t: &Target, a: &Attempts, others: &[(&Target, &Attempts)]) -> Finding {
+    fn finding(
+        &self,
+        t: &Target,
+        a: &Attempts,
+        others: &[(&Target, &Attempts)],
+        share: f64,
+    ) -> Finding {
         let span = self.span.max(Duration::from_secs(1));
         let mut alternatives: Vec<EndpointCount> = others
             .iter()
@@ -205,20 +211,25 @@ impl FailTracker {
                 failures: oa.failures(),
             })
             .collect();
+        // An endpoint succeeds when it has successes and is not failing itself (below the
+        // share): one lucky connection to another broken node does not make it healthy.
+        let succeeds = |e: &EndpointCount| {
+            e.successes > 0 && (e.failures as f64) < share * (e.successes + e.failures) as f64
+        };
         alternatives.sort_by(|x, y| {
-            y.successes
-                .cmp(&x.successes)
+            succeeds(y)
+                .cmp(&succeeds(x))
+                .then(y.successes.cmp(&x.successes))
                 .then(x.endpoint.cmp(&y.endpoint))
         });
-        let healthy_count = alternatives.iter().filter(|e| e.successes > 0).count();
+        let healthy_count = alternatives.iter().filter(|e| succeeds(e)).count();
         let more = alternatives.len().saturating_sub(MAX_ALTERNATIVES);
         alternatives.truncate(MAX_ALTERNATIVES);
         let more_text = match more {
             0 => String::new(),
             n => format!(" and {n} more"),
         };
-        let healthy: Vec<&EndpointCount> =
-            alternatives.iter().filter(|e| e.successes > 0).collect();
+        let healthy: Vec<&EndpointCount> = alternatives.iter().filter(|e| succeeds(e)).collect();
         let verdict = if healthy_count == 0 {
             "outage"
         } else {

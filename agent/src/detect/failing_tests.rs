@@ -270,3 +270,43 @@ fn targets_per_window_are_bounded_but_failures_kept() {
         f[0].summary
     );
 }
+
+/// Another endpoint that mostly fails too does not count as a healthy alternative because of
+/// one lucky connection: the service is out.
+#[test]
+fn an_alternative_that_mostly_fails_is_not_healthy() {
+    let cfg = DetectConfig::default();
+    let mut t = FailTracker::default();
+    t.record(
+        target(7, "10.0.0.3:8080"),
+        None,
+        &attempts(Outcome::Refused, 20, 0, 200),
+    );
+    t.record(
+        target(7, "10.0.0.4:8080"),
+        None,
+        &attempts(Outcome::Reset, 40, 0, 100),
+    );
+    t.record(
+        target(7, "10.0.0.4:8080"),
+        None,
+        &attempts(Outcome::Success, 1, 0, 0),
+    );
+    t.close_window(Instant::now(), Duration::from_secs(5), &cfg);
+    let f = t.findings(&cfg);
+    assert_eq!(f.len(), 2);
+    for f in &f {
+        assert_eq!(
+            f.failing.as_ref().unwrap().verdict,
+            "outage",
+            "{}",
+            f.summary
+        );
+    }
+    assert!(
+        f[0].summary
+            .contains("no other endpoint of port 8080 succeeds either (10.0.0.4:8080 (40 failed))"),
+        "{}",
+        f[0].summary
+    );
+}

@@ -8,7 +8,8 @@
 //! connreap must name each gateway and its broken node (failing_upstream, with the failure
 //! kind, the retry interval and the healthy alternatives with their counts), never a healthy
 //! node; a third gateway under the same load, whose nodes are healthy but one resets a
-//! connection now and then, raises nothing. Thresholds are the defaults.
+//! connection now and then, raises nothing; a fourth, whose every node is broken, is reported
+//! as an outage, not a selector bug. Thresholds are the defaults.
 
 use std::{
     net::SocketAddr,
@@ -196,6 +197,7 @@ fn failing_upstream_names_the_gateway_and_its_broken_node() {
     );
     let gw_reset = node.pod("fu-gw2", None);
     let gw_ok = node.pod("fu-gw3", None);
+    let gw_down = node.pod("fu-gw4", None);
     let _a = upstream(&up_a, "a", &[]);
     let _b = upstream(&up_b, "b", &[]);
     let _reset = upstream(&up_reset, "reset", &["--mode", "reset"]);
@@ -203,6 +205,8 @@ fn failing_upstream_names_the_gateway_and_its_broken_node() {
     let g1 = gateway(&gw_refuse, &[&up_a, &up_b, &up_refuse]);
     let g2 = gateway(&gw_reset, &[&up_a, &up_b, &up_reset]);
     let g3 = gateway(&gw_ok, &[&up_a, &up_b, &up_flaky]);
+    // A gateway of a service whose every node is broken: an outage, not a selector bug.
+    let g4 = gateway(&gw_down, &[&up_refuse, &up_reset]);
 
     let dir = TempDir::new("pods-failing");
     let hook = host_receiver();
@@ -213,6 +217,7 @@ fn failing_upstream_names_the_gateway_and_its_broken_node() {
         users(&node, gw_refuse.addr(GW_PORT), stop.clone()),
         users(&node, gw_reset.addr(GW_PORT), stop.clone()),
         users(&node, gw_ok.addr(GW_PORT), stop.clone()),
+        users(&node, gw_down.addr(GW_PORT), stop.clone()),
     ];
     let mut parts = Parts::new();
     let refuse_alert = parts.check("the refusing node is named", || {
@@ -252,6 +257,25 @@ fn failing_upstream_names_the_gateway_and_its_broken_node() {
             &b,
             &gw_reset,
             "the failing_upstream alert of the resetting node",
+        );
+    });
+    parts.check("a service whose every node fails is an outage", || {
+        let b = wait_alert(
+            &hook,
+            &agent,
+            "a failing_upstream alert calling the all-broken service an outage",
+            |b| {
+                b["kind"] == "failing_upstream"
+                    && b["status"] == "firing"
+                    && names_pid(b, g4.pid())
+                    && b["failing"]["endpoint"] == up_refuse.addr(PORT).to_string().as_str()
+            },
+        );
+        assert_eq!(b["failing"]["verdict"], "outage", "{b:#}");
+        let summary = b["summary"].as_str().unwrap_or_default();
+        assert!(
+            summary.contains("an outage of the service, not a retry selector bug"),
+            "{summary}"
         );
     });
     parts.check("/v1/findings says the same", || {
@@ -332,8 +356,8 @@ fn failing_upstream_names_the_gateway_and_its_broken_node() {
         }
     });
     stop.store(true, Ordering::Relaxed);
-    let [l1, l2, l3] = load;
-    let (seen1, seen2, seen3) = (joined(l1), joined(l2), joined(l3));
+    let [l1, l2, l3, l4] = load;
+    let (seen1, seen2, seen3, seen4) = (joined(l1), joined(l2), joined(l3), joined(l4));
     parts.check(
         "users of the broken gateways saw requests hang, then fail",
         || {
@@ -347,6 +371,15 @@ fn failing_upstream_names_the_gateway_and_its_broken_node() {
                     "{gw}: a failed request hung through its retries first: {seen:?}"
                 );
             }
+        },
+    );
+    parts.check(
+        "users of the all-broken service got no answer but 502",
+        || {
+            assert!(
+                seen4.count(502) == seen4.answers.len() && !seen4.answers.is_empty(),
+                "{seen4:?}"
+            );
         },
     );
     parts.check("the healthy gateway served every request", || {
