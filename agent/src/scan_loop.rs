@@ -200,6 +200,10 @@ impl ScanLoop {
                 }
             }
         }
+        // The API serves the alerts before receivers hear of them: an alert's generatorURL
+        // (/v1/findings?fingerprint=...) followed at once finds it.
+        let alerts = Arc::new(update.current);
+        self.published.send_modify(move |p| p.alerts = alerts);
         for n in &update.notify {
             self.webhooks.send(n);
         }
@@ -214,7 +218,6 @@ impl ScanLoop {
         self.published.send_modify(|p| {
             p.sockets = table.len();
             p.table = TableView::Ready(Arc::new(table));
-            p.alerts = Arc::new(update.current);
             p.quotas = quotas;
             p.last_scan = Some(Instant::now());
             p.last_scan_error = None;

@@ -154,10 +154,11 @@ impl FailTracker {
         };
     }
 
-    /// Every target's attempts over the windows kept.
+    /// Every target's attempts over the windows kept (newest first, so the failure times kept
+    /// are the latest ones).
     pub fn totals(&self) -> BTreeMap<&Target, Attempts> {
         let mut all: BTreeMap<&Target, Attempts> = BTreeMap::new();
-        for w in &self.windows {
+        for w in self.windows.iter().rev() {
             for (t, a) in &w.attempts {
                 all.entry(t).or_default().merge(a);
             }

@@ -144,7 +144,8 @@ pub struct Drained {
 const FLUSH_TICK: Duration = Duration::from_millis(500);
 
 /// Read the ring until it fails, calling `sink` after every drain. Errors are logged: the ring
-/// only feeds the reconnect-storm detector, the rest of the daemon goes on without it.
+/// only feeds the reconnect-storm and failing-upstream detectors (and the upstream connection
+/// metrics); the rest of the daemon goes on without it.
 pub async fn read(
     ring: RingBuf<MapData>,
     flusher: Flusher,
@@ -156,7 +157,7 @@ pub async fn read(
         Ok(fd) => fd,
         Err(e) => {
             let (_, e) = e.into_parts();
-            tracing::error!(error = %e, "cannot poll the transition ring; reconnect_storm is disabled");
+            tracing::error!(error = %e, "cannot poll the transition ring; reconnect_storm and failing_upstream are disabled");
             return;
         }
     };
@@ -172,7 +173,7 @@ pub async fn read(
                     false
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "transition ring poll failed; reconnect_storm is disabled");
+                    tracing::error!(error = %e, "transition ring poll failed; reconnect_storm and failing_upstream are disabled");
                     return;
                 }
             },
