@@ -173,6 +173,21 @@ pub struct DetectConfig {
     /// storm when the rate also grew over `storm_growth_windows` consecutive scan intervals.
     pub storm_rate: f64,
     pub storm_growth_windows: usize,
+    /// failing_upstream counts a process's outbound connection attempts per remote endpoint
+    /// over this long...
+    #[serde(with = "humantime_serde")]
+    pub failing_window: Duration,
+    /// ...and fires when at least this many of them failed...
+    pub failing_min_failures: usize,
+    /// ...making at least this share of its attempts to that endpoint.
+    pub failing_share: f64,
+    /// A connection reset by the peer within this long of its handshake failed (or closed by
+    /// the peer within it, then reset: see `kernel::outcome`).
+    #[serde(with = "humantime_serde")]
+    pub failing_short_lifetime: Duration,
+    /// connreap_upstream_connections_total also carries the remote address (`remote_addr`):
+    /// one series per upstream address, for a host talking to few of them.
+    pub failing_metrics_by_address: bool,
 }
 
 impl Default for DetectConfig {
@@ -188,6 +203,11 @@ impl Default for DetectConfig {
             quota_idle_min: Duration::from_secs(60),
             storm_rate: 50.0,
             storm_growth_windows: 2,
+            failing_window: Duration::from_secs(60),
+            failing_min_failures: 10,
+            failing_share: 0.5,
+            failing_short_lifetime: Duration::from_millis(50),
+            failing_metrics_by_address: false,
         }
     }
 }
@@ -427,13 +447,14 @@ pub struct PolicyConfig {
 
 /// The finding kinds `[alerts.severity]` may name (config does not depend on the detectors;
 /// a unit test in `detect` keeps this equal to `detect::Kind::ALL`).
-pub const FINDING_KINDS: [&str; 6] = [
+pub const FINDING_KINDS: [&str; 7] = [
     "close_wait_buildup",
     "stuck_established_pairs",
     "quota_exhausted_by_leak",
     "reconnect_storm",
     "quota_source_unavailable",
     "idle_established_buildup",
+    "failing_upstream",
 ];
 
 /// Which selected sockets a round takes first.

@@ -63,12 +63,15 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     let token = api::read_token(&cfg)?;
     let mut kernel = tokio::task::spawn_blocking(move || Kernel::load(verbose)).await??;
 
-    // The transition ring: its reader counts active opens for the scan loop's storm detector.
+    // The transition ring: its reader counts active opens for the scan loop's storm detector
+    // and the outcomes of outbound connections for its failing-upstream detector.
     let (ring, flusher) = kernel.take_events()?;
     let (opens_tx, opens) = mpsc::unbounded_channel();
+    let (attempts_tx, attempts) = mpsc::unbounded_channel();
+    let outcomes = kernel::outcome::Outcomes::new(kernel.hz, cfg.detect.failing_short_lifetime);
     let ring_metrics = metrics.clone();
     let tasks = Supervisor::default();
-    let reader = kernel::ring::read(ring, flusher, move |d| {
+    let reader = kernel::ring::read(ring, flusher, outcomes, move |d| {
         ring_metrics.events_read.inc_by(d.events);
         if let Some(f) = d.flushed {
             ring_metrics.batches_flushed.inc_by(f.sent.into());
@@ -76,6 +79,9 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         }
         if !d.opens.is_empty() {
             let _ = opens_tx.send(d.opens);
+        }
+        if !d.attempts.is_empty() {
+            let _ = attempts_tx.send(d.attempts);
         }
     });
     tasks.spawn("transition ring reader", reader);
@@ -120,6 +126,7 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         host,
         engine: engine.clone(),
         opens,
+        attempts,
         published: published.clone(),
         metrics: metrics.clone(),
         webhooks: webhooks.clone(),

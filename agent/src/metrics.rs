@@ -4,6 +4,7 @@
 mod exposition;
 mod netns;
 mod process;
+mod upstream;
 
 use std::{
     collections::HashMap,
@@ -99,6 +100,9 @@ pub struct Metrics {
     netns_gone: Counter,
     netns_scan_failures: Counter,
     netns_findings: Family<NetnsKindLabels, Gauge>,
+    upstream_connections: Family<upstream::UpstreamLabels, Counter>,
+    /// The label groups of `upstream_connections` (see `upstream::MAX_TARGETS`).
+    upstream_groups: Mutex<std::collections::HashSet<upstream::UpstreamLabels>>,
 }
 
 /// `connreap_build_info`'s commit: `CONNREAP_COMMIT` at build time, when the build sets it.
@@ -148,6 +152,8 @@ impl Metrics {
             netns_gone: Counter::default(),
             netns_scan_failures: Counter::default(),
             netns_findings: Family::default(),
+            upstream_connections: Family::default(),
+            upstream_groups: Mutex::new(std::collections::HashSet::new()),
         };
         m.register(&mut registry);
         Metrics { registry, ..m }
@@ -252,6 +258,11 @@ impl Metrics {
             m.program_recursion_misses.clone(),
         );
         m.register_netns(registry);
+        registry.register(
+            "upstream_connections",
+            "Outbound TCP connection attempts by process, remote port and result: success, refused (connect failed within 1s), timeout, reset or closed (by the peer within detect.failing_short_lifetime)",
+            m.upstream_connections.clone(),
+        );
     }
 
     pub fn observe_table(&self, table: &[Socket]) {

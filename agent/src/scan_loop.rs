@@ -11,10 +11,13 @@ use crate::{
     alert::{Cadence, Tracker},
     api::{Published, TableView},
     config::Config,
-    detect::{self, ConnKey, Memory, StormTracker},
+    detect::{self, ConnKey, FailTracker, Memory, StormTracker, Target},
     engine::{Engine, EngineError, ScanOutput},
     health::{self, Failures},
-    kernel::ring::OpenKey,
+    kernel::{
+        outcome::Attempts,
+        ring::{AttemptKey, OpenKey},
+    },
     metrics::Metrics,
     quota::{self, QuotaStatus},
     table::{Netns, Socket},
@@ -29,6 +32,8 @@ pub struct ScanLoop {
     pub quotas: quota::feeds::QuotaFeeds,
     /// Active opens from the ring reader, per drain.
     pub opens: mpsc::UnboundedReceiver<Vec<(OpenKey, u64)>>,
+    /// Outbound connection attempts whose outcome is known, from the ring reader, per drain.
+    pub attempts: mpsc::UnboundedReceiver<Vec<(AttemptKey, Attempts)>>,
     pub published: watch::Sender<Published>,
     pub metrics: Arc<Metrics>,
     pub webhooks: Webhooks,
@@ -88,6 +93,7 @@ struct Carry {
     firing_saved_error: Option<String>,
     memory: Memory,
     storm: StormTracker,
+    failing: FailTracker,
     window_start: Instant,
     failures: Failures,
     /// Scan and round errors, logged once at once then as a count per interval.
@@ -110,6 +116,7 @@ impl ScanLoop {
             alerts,
             memory: Memory::default(),
             storm: StormTracker::default(),
+            failing: FailTracker::default(),
             window_start: Instant::now(),
             failures: Failures::default(),
             errors: crate::logging::Repeats::new(ERROR_LOG_EVERY),
@@ -192,6 +199,12 @@ impl ScanLoop {
             &table,
             &namespaces.known,
         );
+        self.feed_failing(
+            &mut carry.failing,
+            t0,
+            t0.duration_since(carry.window_start),
+            &namespaces.known,
+        );
         carry.window_start = t0;
         let freed = self.freed(&quotas);
         let findings = detect::run(
@@ -201,6 +214,7 @@ impl ScanLoop {
                 quota_cfgs: &self.cfg.quota,
                 quotas: &quotas,
                 storm: &carry.storm,
+                failing: Some(&carry.failing),
                 nat: Some(&crate::kernel::procfs::conntrack),
                 freed: &freed,
             },
@@ -231,6 +245,10 @@ impl ScanLoop {
                 }
             }
         }
+        // The API serves the alerts before receivers hear of them: an alert's generatorURL
+        // (/v1/findings?fingerprint=...) followed at once finds it.
+        let alerts = Arc::new(update.current);
+        self.published.send_modify(move |p| p.alerts = alerts);
         for n in &update.notify {
             self.webhooks.send(n);
         }
@@ -253,7 +271,6 @@ impl ScanLoop {
         self.published.send_modify(|p| {
             p.sockets = table.len();
             p.table = TableView::Ready(Arc::new(table));
-            p.alerts = Arc::new(update.current);
             p.quotas = quotas;
             p.last_scan = Some(Instant::now());
             p.last_scan_error = None;
@@ -330,6 +347,39 @@ impl ScanLoop {
                 })
             })
             .collect()
+    }
+
+    /// Connection outcomes since the last scan into the failing-upstream tracker and the
+    /// upstream connection metrics, and close its window.
+    fn feed_failing(
+        &mut self,
+        failing: &mut FailTracker,
+        now: Instant,
+        window: Duration,
+        namespaces: &[Arc<Netns>],
+    ) {
+        let by_inode: rustc_hash::FxHashMap<u32, &Netns> =
+            namespaces.iter().map(|n| (n.inode, &**n)).collect();
+        while let Ok(attempts) = self.attempts.try_recv() {
+            for (k, a) in attempts {
+                let netns = by_inode.get(&k.netns).copied();
+                self.metrics.observe_attempts(
+                    &k,
+                    &a,
+                    netns,
+                    self.cfg.detect.failing_metrics_by_address,
+                );
+                let target = Target {
+                    pid: k.pid,
+                    comm: k.comm,
+                    netns: k.netns,
+                    remote: k.remote,
+                };
+                failing.record(target, k.container, &a);
+            }
+        }
+        failing.set_namespaces(namespaces);
+        failing.close_window(now, window, &self.cfg.detect);
     }
 
     /// Every quota source's reading: HTTP sources from their pollers, static ones counted from

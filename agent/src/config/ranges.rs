@@ -85,6 +85,26 @@ pub(super) const STORM_GROWTH_WINDOWS: Range<u64> = Range {
     min: 0,
     max: 100,
 };
+pub(super) const FAILING_WINDOW: Range<Duration> = Range {
+    key: "detect.failing_window",
+    min: secs(5),
+    max: secs(HOUR),
+};
+pub(super) const FAILING_MIN_FAILURES: Range<u64> = Range {
+    key: "detect.failing_min_failures",
+    min: 1,
+    max: 1_000_000,
+};
+pub(super) const FAILING_SHARE: Range<f64> = Range {
+    key: "detect.failing_share",
+    min: 0.01,
+    max: 1.0,
+};
+pub(super) const FAILING_SHORT_LIFETIME: Range<Duration> = Range {
+    key: "detect.failing_short_lifetime",
+    min: ms(1),
+    max: secs(10),
+};
 pub(super) const REPEAT_INTERVAL: Range<Duration> = Range {
     key: "alerts.repeat_interval",
     min: secs(1),
@@ -242,6 +262,10 @@ pub(super) fn all() -> Vec<(&'static str, String)> {
         d(&QUOTA_IDLE_MIN),
         d(&STORM_RATE),
         d(&STORM_GROWTH_WINDOWS),
+        d(&FAILING_WINDOW),
+        d(&FAILING_MIN_FAILURES),
+        d(&FAILING_SHARE),
+        d(&FAILING_SHORT_LIFETIME),
         d(&REPEAT_INTERVAL),
         d(&RENOTIFY_INTERVAL),
         d(&ALERTMANAGER_RESEND),

@@ -41,6 +41,10 @@ pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
     ranges::QUOTA_IDLE_MIN.top(d.quota_idle_min)?;
     ranges::STORM_RATE.top(d.storm_rate)?;
     ranges::STORM_GROWTH_WINDOWS.top(count(d.storm_growth_windows))?;
+    ranges::FAILING_WINDOW.top(d.failing_window)?;
+    ranges::FAILING_MIN_FAILURES.top(count(d.failing_min_failures))?;
+    ranges::FAILING_SHARE.top(d.failing_share)?;
+    ranges::FAILING_SHORT_LIFETIME.top(d.failing_short_lifetime)?;
     let a = &cfg.alerts;
     ranges::REPEAT_INTERVAL.top(a.repeat_interval)?;
     ranges::RENOTIFY_INTERVAL.top(a.renotify_interval)?;

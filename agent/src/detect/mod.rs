@@ -3,6 +3,7 @@
 mod close_wait;
 mod downstream;
 mod ends;
+mod failing;
 mod idle;
 mod pairs;
 mod quota;
@@ -19,6 +20,7 @@ use serde::Serialize;
 
 pub use downstream::{Downstreams, Orphan};
 pub use ends::{parse_conntrack, Ends, Nat};
+pub use failing::{FailTracker, FailingUpstream, Target};
 pub use idle::PeerCount;
 pub use quota::feeders;
 pub use resolved::resolution;
@@ -43,6 +45,7 @@ pub enum Kind {
     ReconnectStorm,
     QuotaSourceUnavailable,
     IdleEstablishedBuildup,
+    FailingUpstream,
 }
 
 impl Kind {
@@ -54,26 +57,29 @@ impl Kind {
             Kind::ReconnectStorm => "reconnect_storm",
             Kind::QuotaSourceUnavailable => "quota_source_unavailable",
             Kind::IdleEstablishedBuildup => "idle_established_buildup",
+            Kind::FailingUpstream => "failing_upstream",
         }
     }
     /// The `severity` label a kind's alerts carry unless `[alerts.severity]` says otherwise:
-    /// critical where users are already failing or about to (a full quota, a storm).
+    /// critical where users are already failing or about to (a full quota, a storm, requests
+    /// retried against a broken upstream).
     pub fn default_severity(self) -> &'static str {
         match self {
-            Kind::QuotaExhaustedByLeak | Kind::ReconnectStorm => "critical",
+            Kind::QuotaExhaustedByLeak | Kind::ReconnectStorm | Kind::FailingUpstream => "critical",
             Kind::CloseWaitBuildup
             | Kind::StuckEstablishedPairs
             | Kind::QuotaSourceUnavailable
             | Kind::IdleEstablishedBuildup => "warning",
         }
     }
-    pub const ALL: [Kind; 6] = [
+    pub const ALL: [Kind; 7] = [
         Kind::CloseWaitBuildup,
         Kind::StuckEstablishedPairs,
         Kind::QuotaExhaustedByLeak,
         Kind::ReconnectStorm,
         Kind::QuotaSourceUnavailable,
         Kind::IdleEstablishedBuildup,
+        Kind::FailingUpstream,
     ];
 }
 
@@ -288,6 +294,10 @@ pub struct Finding {
     /// them are orphaned (their downstream is gone) or still serve a connected one.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub orphans: Option<OrphanCounts>,
+    /// failing_upstream: the failing endpoint, its failures by kind, the retry interval and
+    /// the other endpoints of its port.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub failing: Option<FailingUpstream>,
     /// The network namespace of its sockets: the inode (0: not known, or no sockets).
     pub netns: u32,
     /// The namespace's name under `/run/netns` or `/run/docker/netns`, if it has one.
@@ -324,6 +334,7 @@ impl Finding {
             peers: Vec::new(),
             upstream: Vec::new(),
             orphans: None,
+            failing: None,
             netns: 0,
             netns_name: None,
             netns_own: true,
@@ -440,6 +451,8 @@ pub struct Input<'a> {
     pub quota_cfgs: &'a [QuotaConfig],
     pub quotas: &'a [QuotaStatus],
     pub storm: &'a StormTracker,
+    /// Outbound connection outcomes per target (failing_upstream), when the ring feeds them.
+    pub failing: Option<&'a FailTracker>,
     /// The host's translated connections (conntrack), read only if a pairing needs them.
     pub nat: Option<&'a dyn Fn() -> Vec<Nat>>,
     /// Connections recent reclaim rounds closed for quotas.
@@ -518,6 +531,9 @@ pub fn run(input: &Input<'_>, memory: &mut Memory) -> Vec<Finding> {
         memory.relays.extend(d.relays(input.table));
     }
     out.extend(input.storm.findings(input.cfg));
+    if let Some(f) = input.failing {
+        out.extend(f.findings(input.cfg));
+    }
     out.extend(quota::unavailable(input.quotas));
     merge_same_identity(out)
 }
@@ -603,6 +619,7 @@ mod merge_tests {
             quota_cfgs: &[],
             quotas: &[],
             storm: &storm,
+            failing: None,
             nat: None,
             freed: &[],
         };
@@ -650,6 +667,7 @@ mod merge_tests {
                 quota_cfgs: &[],
                 quotas: &[],
                 storm: &storm,
+                failing: None,
                 nat: None,
                 freed: &[],
             };

@@ -443,6 +443,7 @@ limit = 4
             quota_cfgs,
             quotas: &quotas,
             storm: &storm,
+            failing: None,
             nat: None,
             freed,
         };
@@ -569,6 +570,7 @@ limit = 4
                 quota_cfgs: &cfgs,
                 quotas: &[st],
                 storm: &storm,
+                failing: None,
                 nat: None,
                 freed: &[],
             },

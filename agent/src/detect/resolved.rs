@@ -73,6 +73,13 @@ pub fn resolution(
             f.rate_per_sec.unwrap_or_default()
         ),
         Kind::QuotaSourceUnavailable => "the quota source answers again".to_string(),
+        Kind::FailingUpstream => format!(
+            "fewer than failing_min_failures {} failed connections to {}, or below failing_share {} of the attempts, in the last {} ({last})",
+            cfg.failing_min_failures,
+            f.failing.as_ref().map_or("the endpoint", |u| u.endpoint.as_str()),
+            cfg.failing_share,
+            human(cfg.failing_window)
+        ),
     })
 }
 

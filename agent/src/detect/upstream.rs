@@ -448,6 +448,7 @@ mod tests {
                 quota_cfgs: &cfgs,
                 quotas: &quotas,
                 storm: &storm,
+                failing: None,
                 nat: None,
                 freed: &[],
             },

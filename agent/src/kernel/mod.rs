@@ -19,6 +19,7 @@ mod hz;
 mod memory;
 pub mod netns;
 pub mod offsets;
+pub mod outcome;
 mod pin_users;
 mod pins;
 pub mod procfs;

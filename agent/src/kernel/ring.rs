@@ -1,6 +1,7 @@
 //! The transition ring reader: drains the tracker's event ring, flushes the per-CPU batches on a
 //! fixed tick, and reports active opens counted per (process, connecting thread, remote port,
-//! network namespace), with the process's container.
+//! network namespace), with the process's container, and the outcomes of outbound connections
+//! per (process, network namespace, remote address) (see `outcome`).
 use std::{
     collections::HashSet,
     sync::Arc,
@@ -14,6 +15,7 @@ use tokio::io::unix::AsyncFd;
 
 use super::{
     events::{self, FlushRound, Flusher},
+    outcome::{Attempts, Outcomes, RawTarget, Tally},
     procfs,
 };
 use crate::containers::{self, Container, ContainerNames, PodNames};
@@ -35,6 +37,18 @@ pub struct OpenKey {
     pub netns: u32,
     /// The process's container, from its /proc/PID/cgroup read at the drain (None: not in
     /// one, or gone before the drain).
+    pub container: Option<Arc<Container>>,
+}
+
+/// The target of outbound connection attempts: the connecting process (named as in
+/// [`OpenKey`]), the socket's network namespace and the remote address; and where the process
+/// runs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptKey {
+    pub pid: u32,
+    pub comm: String,
+    pub netns: u32,
+    pub remote: std::net::SocketAddr,
     pub container: Option<Arc<Container>>,
 }
 
@@ -128,6 +142,8 @@ pub struct Drained {
     pub flushed: Option<FlushRound>,
     /// Active opens (CLOSE -> SYN_SENT, seen in the connecting task) per key.
     pub opens: Vec<(OpenKey, u64)>,
+    /// Outbound connection attempts whose outcome became known, per target.
+    pub attempts: Vec<(AttemptKey, Attempts)>,
 }
 
 /// How often partial per-CPU batches are sent. Under load the probe wakes the reader per
@@ -137,14 +153,20 @@ pub struct Drained {
 const FLUSH_TICK: Duration = Duration::from_millis(500);
 
 /// Read the ring until it fails, calling `sink` after every drain. Errors are logged: the ring
-/// only feeds the reconnect-storm detector, the rest of the daemon goes on without it.
-pub async fn read(ring: RingBuf<MapData>, flusher: Flusher, mut sink: impl FnMut(Drained)) {
+/// only feeds the reconnect-storm and failing-upstream detectors (and the upstream connection
+/// metrics); the rest of the daemon goes on without it.
+pub async fn read(
+    ring: RingBuf<MapData>,
+    flusher: Flusher,
+    mut outcomes: Outcomes,
+    mut sink: impl FnMut(Drained),
+) {
     // SAFETY: the ring's fd is owned by `ring`, which the AsyncFd owns for its whole life.
     let mut fd = match unsafe { AsyncFd::register(ring) } {
         Ok(fd) => fd,
         Err(e) => {
             let (_, e) = e.into_parts();
-            tracing::error!(error = %e, "cannot poll the transition ring; reconnect_storm is disabled");
+            tracing::error!(error = %e, "cannot poll the transition ring; reconnect_storm and failing_upstream are disabled");
             return;
         }
     };
@@ -160,7 +182,7 @@ pub async fn read(ring: RingBuf<MapData>, flusher: Flusher, mut sink: impl FnMut
                     false
                 }
                 Err(e) => {
-                    tracing::error!(error = %e, "transition ring poll failed; reconnect_storm is disabled");
+                    tracing::error!(error = %e, "transition ring poll failed; reconnect_storm and failing_upstream are disabled");
                     return;
                 }
             },
@@ -183,7 +205,7 @@ pub async fn read(ring: RingBuf<MapData>, flusher: Flusher, mut sink: impl FnMut
         } else {
             None
         };
-        let mut drained = drain(fd.get_mut(), &mut names);
+        let mut drained = drain(fd.get_mut(), &mut names, &mut outcomes);
         drained.flushed = flushed;
         sink(drained);
     }
@@ -191,9 +213,12 @@ pub async fn read(ring: RingBuf<MapData>, flusher: Flusher, mut sink: impl FnMut
 
 /// Everything in the ring now. Opens are counted per raw (pid, comm bytes, port, netns) first
 /// and turned into keys once per distinct tuple: a churning client makes many opens a second.
-fn drain(ring: &mut RingBuf<MapData>, names: &mut Processes) -> Drained {
+/// Outcomes follow each socket through its transitions in time order (the batches of several
+/// CPUs arrive in any order; within one batch, in order).
+fn drain(ring: &mut RingBuf<MapData>, names: &mut Processes, outcomes: &mut Outcomes) -> Drained {
     let mut events = 0u64;
     let mut opens: FxHashMap<RawOpen, u64> = FxHashMap::default();
+    let mut transitions = Vec::new();
     while let Some(item) = ring.next() {
         let batch = match events::decode(&item) {
             Ok(batch) => batch,
@@ -209,18 +234,55 @@ fn drain(ring: &mut RingBuf<MapData>, names: &mut Processes) -> Drained {
                     .entry((ev.pid, ev.comm, ev.dport, ev.netns))
                     .or_default() += 1;
             }
+            if is_outbound_step(ev.oldstate) {
+                transitions.push(*ev);
+            }
         }
     }
     let now = Instant::now();
+    transitions.sort_by_key(|ev| ev.ts_jiffies);
+    let mut tally = Tally::default();
+    for ev in &transitions {
+        outcomes.observe(ev, now, &mut tally);
+    }
+    outcomes.settle(now, &mut tally);
     names.sweep(now);
     let opens = opens
         .into_iter()
         .map(|(raw, count)| (open_key(raw, names.get(raw.0, now)), count))
         .collect();
+    let attempts = tally
+        .into_iter()
+        .map(|(raw, a)| (attempt_key(raw, names.get(raw.0, now)), a))
+        .collect();
     Drained {
         events,
         flushed: None,
         opens,
+        attempts,
+    }
+}
+
+/// Whether a transition out of `old` can tell an outbound connection's outcome (its open,
+/// handshake, or end).
+fn is_outbound_step(old: u8) -> bool {
+    matches!(
+        old,
+        tcp_state::CLOSE | tcp_state::SYN_SENT | tcp_state::ESTABLISHED | tcp_state::CLOSE_WAIT
+    )
+}
+
+/// The key of attempts `raw` of process `p` (named as [`open_key`] names it).
+fn attempt_key((pid, comm, netns, remote): RawTarget, p: Process) -> AttemptKey {
+    let end = comm.iter().position(|b| *b == 0).unwrap_or(comm.len());
+    AttemptKey {
+        pid,
+        comm: p
+            .name
+            .unwrap_or_else(|| String::from_utf8_lossy(&comm[..end]).into_owned()),
+        netns,
+        remote,
+        container: p.container,
     }
 }
 

@@ -13,6 +13,7 @@
 //! Without a cgroup v2 hierarchy, `iptables` or Node.js, the tests print `skipped: <reason>`.
 
 mod dnat_pair;
+mod failing_upstream;
 mod ghost;
 mod hidden_netns;
 mod layout;
