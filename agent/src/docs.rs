@@ -66,7 +66,10 @@ const COMMON_SECTIONS: &str = r#".SH "EXIT STATUS"
 Success.
 .TP
 \fB1\fR
-An error (the message on stderr says which), e.g. not root, the BPF object cannot be loaded.
+A runtime failure (the message on stderr says which), e.g. not root, the BPF object cannot be loaded.
+.TP
+\fB2\fR
+Bad command-line input: an unknown option, a filter that does not parse (\fB\-\-sport 0\fR, \fB\-\-state bogus\fR), \fBconnreap reclaim \-\-policy\fR naming no configured policy.
 .TP
 \fB3\fR
 \fBconnreap reclaim\fR: an enforce policy ran as a dry run (no way to destroy sockets, or the audit log not writable): nothing was closed.

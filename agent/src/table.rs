@@ -53,6 +53,10 @@ const STATES: [(TcpState, u8, &str); 12] = [
 ];
 
 impl TcpState {
+    /// Every state, in the kernel's order.
+    pub fn all() -> impl Iterator<Item = TcpState> {
+        STATES.iter().map(|s| s.0)
+    }
     pub fn from_kernel(v: u8) -> Option<Self> {
         STATES.iter().find(|s| s.1 == v).map(|s| s.0)
     }

@@ -120,22 +120,8 @@ impl PortRange {
 /// `ss`'s state groups (ss(8), STATE-FILTER).
 fn state_group(name: &str) -> Option<Vec<TcpState>> {
     use TcpState::*;
-    const ALL: [TcpState; 12] = [
-        Established,
-        SynSent,
-        SynRecv,
-        FinWait1,
-        FinWait2,
-        TimeWait,
-        Close,
-        CloseWait,
-        LastAck,
-        Listen,
-        Closing,
-        NewSynRecv,
-    ];
     let bucket = |s: &TcpState| matches!(s, TimeWait | SynRecv | NewSynRecv);
-    let all = ALL.iter().copied();
+    let all = TcpState::all();
     Some(match name.to_ascii_lowercase().as_str() {
         "all" => all.collect(),
         "connected" => all.filter(|s| !matches!(s, Listen | Close)).collect(),

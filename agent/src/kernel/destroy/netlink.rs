@@ -101,25 +101,35 @@ impl Netlink {
         Ok(Netlink { sock })
     }
 
+    /// Send one request, and read and decode the kernel's one reply.
+    fn ask<T>(&self, msg: NetlinkMessage<T>) -> Result<NetlinkPayload<SockDiagMessage>, DiagError>
+    where
+        T: netlink_packet_core::NetlinkSerializable,
+    {
+        send(&self.sock, msg)?;
+        let mut buf = vec![0; 8192];
+        let n = self
+            .sock
+            .recv(&mut &mut buf[..], 0)
+            .map_err(DiagError::Socket)?;
+        let reply =
+            <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n]).map_err(DiagError::Decode)?;
+        Ok(reply.payload)
+    }
+
     /// Look up the socket with exactly this 4-tuple (kernel-side exact match).
     pub fn lookup(
         &self,
         local: SocketAddr,
         peer: SocketAddr,
     ) -> Result<Option<DiagSocket>, DiagError> {
-        let sock = &self.sock;
         let mut hdr = NetlinkHeader::default();
         hdr.flags = NLM_F_REQUEST;
         let msg = NetlinkMessage::new(
             hdr,
             SockDiagMessage::InetRequest(request(local, peer, NO_COOKIE)).into(),
         );
-        send(sock, msg)?;
-        let mut buf = vec![0; 8192];
-        let n = sock.recv(&mut &mut buf[..], 0).map_err(DiagError::Socket)?;
-        let reply =
-            <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n]).map_err(DiagError::Decode)?;
-        match reply.payload {
+        match self.ask(msg)? {
             NetlinkPayload::InnerMessage(SockDiagMessage::InetResponse(r)) => {
                 Ok(Some(DiagSocket {
                     inode: r.header.inode,
@@ -144,7 +154,6 @@ impl Netlink {
         peer: SocketAddr,
         cookie: [u8; 8],
     ) -> Result<(), DiagError> {
-        let sock = &self.sock;
         let mut hdr = NetlinkHeader::default();
         hdr.flags = NLM_F_REQUEST | NLM_F_ACK;
         let msg = NetlinkMessage::new(
@@ -153,12 +162,7 @@ impl Netlink {
                 local, peer, cookie,
             )))),
         );
-        send(sock, msg)?;
-        let mut buf = vec![0; 8192];
-        let n = sock.recv(&mut &mut buf[..], 0).map_err(DiagError::Socket)?;
-        let reply =
-            <NetlinkMessage<SockDiagMessage>>::deserialize(&buf[..n]).map_err(DiagError::Decode)?;
-        match reply.payload {
+        match self.ask(msg)? {
             NetlinkPayload::Error(e) => match e.code {
                 None => Ok(()),
                 Some(code) => Err(kernel_error(code.get())),
