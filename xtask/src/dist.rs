@@ -22,6 +22,8 @@ pub const PACKAGED: &[&str] = &[
     "./etc/connreap/connreap.toml",
     "./usr/share/doc/connreap/README.md",
     "./usr/share/doc/connreap/BENCHMARKS.md",
+    "./usr/share/doc/connreap/docs/install.md",
+    "./usr/share/doc/connreap/docs/reclaim.md",
     "./usr/share/doc/connreap/copyright",
     "./usr/share/doc/connreap/examples/connreap.example.toml",
     "./usr/share/man/man1/connreap.1.gz",
