@@ -445,18 +445,6 @@ pub struct PolicyConfig {
     pub include_serving: bool,
 }
 
-/// The finding kinds `[alerts.severity]` may name (config does not depend on the detectors;
-/// a unit test in `detect` keeps this equal to `detect::Kind::ALL`).
-pub const FINDING_KINDS: [&str; 7] = [
-    "close_wait_buildup",
-    "stuck_established_pairs",
-    "quota_exhausted_by_leak",
-    "reconnect_storm",
-    "quota_source_unavailable",
-    "idle_established_buildup",
-    "failing_upstream",
-];
-
 /// Which selected sockets a round takes first.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]

@@ -69,7 +69,7 @@ pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
 /// `[alerts.severity]`: known kinds, the levels Alertmanager routes on.
 fn validate_severity(a: &super::AlertsConfig) -> Result<(), Invalid> {
     for (kind, level) in &a.severity {
-        let known = super::FINDING_KINDS.contains(&kind.as_str());
+        let known = crate::kind::Kind::ALL.iter().any(|k| k.as_str() == kind);
         if !known {
             return Err(invalid(
                 top("alerts", "severity"),

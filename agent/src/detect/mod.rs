@@ -36,52 +36,7 @@ use crate::{
     table::{Netns, Socket, TcpState},
 };
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Kind {
-    CloseWaitBuildup,
-    StuckEstablishedPairs,
-    QuotaExhaustedByLeak,
-    ReconnectStorm,
-    QuotaSourceUnavailable,
-    IdleEstablishedBuildup,
-    FailingUpstream,
-}
-
-impl Kind {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Kind::CloseWaitBuildup => "close_wait_buildup",
-            Kind::StuckEstablishedPairs => "stuck_established_pairs",
-            Kind::QuotaExhaustedByLeak => "quota_exhausted_by_leak",
-            Kind::ReconnectStorm => "reconnect_storm",
-            Kind::QuotaSourceUnavailable => "quota_source_unavailable",
-            Kind::IdleEstablishedBuildup => "idle_established_buildup",
-            Kind::FailingUpstream => "failing_upstream",
-        }
-    }
-    /// The `severity` label a kind's alerts carry unless `[alerts.severity]` says otherwise:
-    /// critical where users are already failing or about to (a full quota, a storm, requests
-    /// retried against a broken upstream).
-    pub fn default_severity(self) -> &'static str {
-        match self {
-            Kind::QuotaExhaustedByLeak | Kind::ReconnectStorm | Kind::FailingUpstream => "critical",
-            Kind::CloseWaitBuildup
-            | Kind::StuckEstablishedPairs
-            | Kind::QuotaSourceUnavailable
-            | Kind::IdleEstablishedBuildup => "warning",
-        }
-    }
-    pub const ALL: [Kind; 7] = [
-        Kind::CloseWaitBuildup,
-        Kind::StuckEstablishedPairs,
-        Kind::QuotaExhaustedByLeak,
-        Kind::ReconnectStorm,
-        Kind::QuotaSourceUnavailable,
-        Kind::IdleEstablishedBuildup,
-        Kind::FailingUpstream,
-    ];
-}
+pub use crate::kind::Kind;
 
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct ProcessCount {
@@ -588,12 +543,6 @@ fn sum<T: std::ops::Add<Output = T>>(a: Option<T>, b: Option<T>) -> Option<T> {
 #[cfg(test)]
 mod merge_tests {
     use super::*;
-
-    #[test]
-    fn config_knows_every_finding_kind() {
-        let names: Vec<&str> = Kind::ALL.iter().map(|k| k.as_str()).collect();
-        assert_eq!(names, crate::config::FINDING_KINDS);
-    }
 
     #[test]
     fn two_processes_of_one_service_are_one_finding() {
