@@ -49,4 +49,3 @@ impl Kind {
         Kind::FailingUpstream,
     ];
 }
-

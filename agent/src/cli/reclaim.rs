@@ -40,7 +40,7 @@ pub(super) fn reclaim_once(
             if q.is_http() {
                 let timeout = quota::timeout(q, cfg.agent.scan_interval);
                 rt.block_on(quota::feeds::poll_once(
-                    &client, q, timeout, None, &mut None,
+                    &client, q, timeout, None, &mut None, &mut None,
                 ))
             } else {
                 quota::static_status(q, &table, now)

@@ -6,7 +6,11 @@ use anyhow::Context as _;
 
 use crate::{kernel, scan, snapshot, table};
 
-pub(super) fn snapshot(verbose: bool, filter: &snapshot::FilterArgs, json: bool) -> anyhow::Result<()> {
+pub(super) fn snapshot(
+    verbose: bool,
+    filter: &snapshot::FilterArgs,
+    json: bool,
+) -> anyhow::Result<()> {
     let filter = filter.parse()?;
     let t0 = std::time::Instant::now();
     let mut scanner = scan::Scanner::new(kernel::Kernel::load(verbose)?);
@@ -65,4 +69,3 @@ fn stdout_file() -> std::io::Result<std::fs::File> {
     use std::os::fd::AsFd as _;
     Ok(std::io::stdout().as_fd().try_clone_to_owned()?.into())
 }
-

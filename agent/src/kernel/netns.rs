@@ -384,8 +384,8 @@ impl Namespace {
         }
     }
 
-    /// Move the calling thread into this namespace. Only for threads of [`run_in`] and
-    /// [`visit`], which end with the work done there.
+    /// Move the calling thread into this namespace. Only for threads of [`run_in`], [`visit`]
+    /// and [`spawn_in`], which end with the work done there.
     fn enter(&self) -> Result<(), NetnsError> {
         let fd = self.open()?;
         // SAFETY: setns on a valid namespace fd; it changes only the calling thread's network
@@ -398,6 +398,22 @@ impl Namespace {
         }
         Ok(())
     }
+}
+
+/// Start a thread of its own that enters `ns` and runs `f` with whether it got there, for work
+/// that stays in a namespace (a quota poller keeping its connections). The thread ends with
+/// `f`. Err: the thread could not be started.
+pub fn spawn_in<F>(ns: Namespace, f: F) -> std::io::Result<()>
+where
+    F: FnOnce(Result<(), NetnsError>) + Send + 'static,
+{
+    std::thread::Builder::new()
+        .name("connreap-netns".into())
+        .spawn(move || {
+            let entered = if ns.own { Ok(()) } else { ns.enter() };
+            f(entered)
+        })
+        .map(drop)
 }
 
 /// Run `f` inside `ns`: on the calling thread for connreap's own namespace, else on a thread

@@ -4,10 +4,11 @@
 //! A source whose quota names a network namespace (`netns`) or a container (`container`) is
 //! polled from inside that namespace, so a URL on 127.0.0.1 reaches the service there (a
 //! relay's status port inside a pod). The namespace is looked up again on every poll (pods
-//! restart, names are re-created), then a thread of its own enters it and makes the request
-//! with a client and runtime made on that thread: a socket belongs to the namespace of the
-//! thread that creates it, and threads it starts inherit that namespace. A namespace that
-//! cannot be found or entered makes the source unavailable, saying why.
+//! restart, names are re-created); a thread of its own lives in it ([`NsPoller`]) and makes
+//! the requests with a client and runtime made there, kept for as long as the namespace is the
+//! same (its connections are kept alive: a poll is not a new connection each time). A socket
+//! belongs to the namespace of the thread that creates it. A namespace that cannot be found or
+//! entered makes the source unavailable, saying why.
 use std::time::Duration;
 
 use tokio::sync::watch;
@@ -61,10 +62,19 @@ async fn poll_forever(
     let mut ticker = tokio::time::interval(interval);
     ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut hint = None;
+    let mut poller = None;
     loop {
         ticker.tick().await;
         let previous = out.borrow().clone();
-        let status = poll_once(&client, &cfg, timeout, previous.as_ref(), &mut hint).await;
+        let status = poll_once(
+            &client,
+            &cfg,
+            timeout,
+            previous.as_ref(),
+            &mut hint,
+            &mut poller,
+        )
+        .await;
         if let Some(err) = &status.error {
             if previous.as_ref().and_then(|p| p.error.as_ref()) != Some(err) {
                 tracing::warn!(quota = %cfg.name, error = %err, "quota source unavailable");
@@ -75,7 +85,8 @@ async fn poll_forever(
 }
 
 /// Poll one HTTP source once, from inside its namespace when it names one (`client` serves
-/// connreap's own). `hint` carries the pid a container was found by from poll to poll.
+/// connreap's own). `hint` carries the pid a container was found by from poll to poll, and
+/// `poller` the thread that polls in another namespace (replaced when the namespace changes).
 /// Never fails: problems become the status's `error`.
 pub async fn poll_once(
     client: &reqwest::Client,
@@ -83,6 +94,7 @@ pub async fn poll_once(
     timeout: Duration,
     previous: Option<&QuotaStatus>,
     hint: &mut Option<u32>,
+    poller: &mut Option<NsPoller>,
 ) -> QuotaStatus {
     let Some(place) = cfg.place() else {
         return poll::poll(client, cfg, timeout, previous).await;
@@ -101,18 +113,78 @@ pub async fn poll_once(
     if ns.own {
         return poll::poll(client, cfg, timeout, previous).await;
     }
-    let (cfg2, previous2) = (cfg.clone(), previous.cloned());
-    let inode = ns.inode;
-    let polled = tokio::task::spawn_blocking(move || {
-        netns::run_in(&ns, move || poll_here(&cfg2, timeout, previous2.as_ref()))
-    })
-    .await;
-    match polled {
-        Ok(Ok(Ok(status))) => status,
-        Ok(Ok(Err(why))) => failed(why),
-        Ok(Err(e)) if e.is_gone() => failed(format!("{place} went away before the poll ({e})")),
-        Ok(Err(e)) => failed(format!("{:#}", anyhow::Error::new(e))),
-        Err(e) => failed(format!("the poll in network namespace {inode} failed: {e}")),
+    let (inode, place) = (ns.inode, place.to_string());
+    if poller.as_ref().is_none_or(|p| p.inode != inode) {
+        *poller = match NsPoller::start(ns, cfg.clone(), timeout) {
+            Ok(p) => Some(p),
+            Err(why) => return failed(why),
+        };
+    }
+    let Some(p) = poller.as_ref() else {
+        return failed(format!("no poller in network namespace {inode}"));
+    };
+    match p.poll(previous.cloned()).await {
+        Ok(status) => status,
+        Err(why) => {
+            // Started again at the next poll (the namespace may have gone with its pod).
+            *poller = None;
+            failed(format!("{place}: {why}"))
+        }
+    }
+}
+
+/// A thread inside one network namespace that polls one source there, with one runtime and
+/// one HTTP client for as long as it lives; it ends when this handle is dropped.
+pub struct NsPoller {
+    inode: u32,
+    jobs: std::sync::mpsc::Sender<Job>,
+}
+
+/// One poll for the thread: the previous reading, and where to send the new one.
+struct Job {
+    previous: Option<QuotaStatus>,
+    reply: tokio::sync::oneshot::Sender<Result<QuotaStatus, String>>,
+}
+
+impl NsPoller {
+    fn start(ns: Namespace, cfg: QuotaConfig, timeout: Duration) -> Result<NsPoller, String> {
+        let inode = ns.inode;
+        let (jobs, rx) = std::sync::mpsc::channel::<Job>();
+        netns::spawn_in(ns, move |entered| {
+            let made = entered
+                .map_err(|e| format!("{:#}", anyhow::Error::new(e)))
+                .and_then(|()| {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .map_err(|e| {
+                            format!("cannot start a runtime to poll in the namespace: {e}")
+                        })?;
+                    let client = poll::http_client()
+                        .map_err(|e| format!("cannot make an HTTP client in the namespace: {e}"))?;
+                    Ok((rt, client))
+                });
+            for job in rx {
+                let status = match &made {
+                    Ok((rt, client)) => {
+                        Ok(rt.block_on(poll::poll(client, &cfg, timeout, job.previous.as_ref())))
+                    }
+                    Err(why) => Err(why.clone()),
+                };
+                let _ = job.reply.send(status);
+            }
+        })
+        .map_err(|e| format!("cannot start a thread to poll in network namespace {inode}: {e}"))?;
+        Ok(NsPoller { inode, jobs })
+    }
+
+    async fn poll(&self, previous: Option<QuotaStatus>) -> Result<QuotaStatus, String> {
+        let gone = || format!("the poller in network namespace {} ended", self.inode);
+        let (reply, rx) = tokio::sync::oneshot::channel();
+        self.jobs
+            .send(Job { previous, reply })
+            .map_err(|_| gone())?;
+        rx.await.map_err(|_| gone())?
     }
 }
 
@@ -144,22 +216,6 @@ impl Wanted {
     }
 }
 
-/// Poll `cfg` from the calling thread's namespace, with a runtime and a client made here (so
-/// its sockets are this namespace's). Err: neither could be made.
-fn poll_here(
-    cfg: &QuotaConfig,
-    timeout: Duration,
-    previous: Option<&QuotaStatus>,
-) -> Result<QuotaStatus, String> {
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .map_err(|e| format!("cannot start a runtime to poll in the namespace: {e}"))?;
-    let client = poll::http_client()
-        .map_err(|e| format!("cannot make an HTTP client in the namespace: {e}"))?;
-    Ok(rt.block_on(poll::poll(&client, cfg, timeout, previous)))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -180,7 +236,15 @@ mod tests {
 
     async fn poll(cfg: &QuotaConfig) -> QuotaStatus {
         let client = poll::http_client().expect("client");
-        poll_once(&client, cfg, Duration::from_secs(5), None, &mut None).await
+        poll_once(
+            &client,
+            cfg,
+            Duration::from_secs(5),
+            None,
+            &mut None,
+            &mut None,
+        )
+        .await
     }
 
     #[tokio::test]
@@ -210,7 +274,7 @@ mod tests {
         let cfg = source(url, "netns = \"connreap-no-such-netns\"");
         let client = poll::http_client().expect("client");
         let t = Duration::from_secs(1);
-        let q = poll_once(&client, &cfg, t, Some(&previous), &mut None).await;
+        let q = poll_once(&client, &cfg, t, Some(&previous), &mut None, &mut None).await;
         assert_eq!(
             q.error.as_deref(),
             Some("network namespace `connreap-no-such-netns` not found")

@@ -310,8 +310,8 @@ impl Reclaimer {
         asker: Asker,
     ) -> Result<Armed, (Mode, String)> {
         let mut mode = Mode::of(p.mode, force_dry_run);
-        let quota =
-            armed(p, quotas, cfg.detect.quota_saturation).map_err(|why| (mode.clone(), why))?;
+        let quota = armed(p, quotas, cfg.detect.quota_saturation)
+            .map_err(|why| (mode.clone(), why.to_string()))?;
         let reading = quotas
             .iter()
             .find(|q| Some(&q.name) == p.quota.as_ref())

@@ -87,12 +87,23 @@ pub fn protected(rc: &ReclaimConfig, own_pid: u32, s: &Socket) -> Option<String>
     None
 }
 
+/// Why a quota-triggered policy is not armed this round (shown in the round's note).
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum NotArmed {
+    #[error("quota {0} has no reading yet")]
+    NoReading(String),
+    #[error("quota {name} unavailable ({error}): never act on stale data")]
+    Unavailable { name: String, error: String },
+    #[error("quota {0} below saturation")]
+    BelowSaturation(String),
+}
+
 /// Is a quota-saturated policy armed? Ok(Some(quota)) armed, Ok(None) for "always", Err(why not).
 pub fn armed(
     p: &PolicyConfig,
     quotas: &[QuotaStatus],
     saturation: f64,
-) -> Result<Option<QuotaRef>, String> {
+) -> Result<Option<QuotaRef>, NotArmed> {
     if p.trigger == Trigger::Always {
         return Ok(None);
     }
@@ -100,14 +111,15 @@ pub fn armed(
     let q = quotas
         .iter()
         .find(|q| q.name == name)
-        .ok_or_else(|| format!("quota {name} has no reading yet"))?;
+        .ok_or_else(|| NotArmed::NoReading(name.to_string()))?;
     if let Some(e) = &q.error {
-        return Err(format!(
-            "quota {name} unavailable ({e}): never act on stale data"
-        ));
+        return Err(NotArmed::Unavailable {
+            name: name.to_string(),
+            error: e.clone(),
+        });
     }
     if q.last_poll.is_none() {
-        return Err(format!("quota {name} has no reading yet"));
+        return Err(NotArmed::NoReading(name.to_string()));
     }
     // Fill ratios in floating point: used * limit can overflow u64 on absurd readings (which
     // the quota parser rejects, but this must not panic or wrap whatever it is given).
@@ -125,7 +137,7 @@ pub fn armed(
                 port: Some(e.port),
             })
         })
-        .ok_or_else(|| format!("quota {name} below saturation"))
+        .ok_or_else(|| NotArmed::BelowSaturation(name.to_string()))
 }
 
 /// The sockets to act on this round (orphaned first, then oldest first, at most

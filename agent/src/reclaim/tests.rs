@@ -238,14 +238,15 @@ fn quota_trigger_arms_only_when_saturated_and_fresh() {
         64
     );
     q.entries[0].used = 56;
-    assert!(armed(&p, std::slice::from_ref(&q), 0.9)
-        .unwrap_err()
-        .contains("below saturation"));
+    assert_eq!(
+        armed(&p, std::slice::from_ref(&q), 0.9),
+        Err(NotArmed::BelowSaturation("relay".into()))
+    );
     q.entries[0].used = 64;
     q.error = Some("HTTP 500".into());
-    assert!(armed(&p, std::slice::from_ref(&q), 0.9)
-        .unwrap_err()
-        .contains("stale"));
+    let e = armed(&p, std::slice::from_ref(&q), 0.9).unwrap_err();
+    assert!(matches!(e, NotArmed::Unavailable { .. }), "{e}");
+    assert!(e.to_string().contains("never act on stale data"), "{e}");
 }
 
 #[test]
