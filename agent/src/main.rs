@@ -1,6 +1,5 @@
 //! connreap: finds leaked TCP connections with eBPF and, under policy, reclaims them.
 mod alert;
-mod api;
 mod cli;
 mod config;
 mod containers;
@@ -8,7 +7,6 @@ mod daemon;
 mod detect;
 mod docs;
 mod engine;
-mod health;
 mod kernel;
 mod kind;
 mod logging;
@@ -18,8 +16,6 @@ mod present;
 mod quota;
 mod reclaim;
 mod scan;
-mod scan_loop;
-mod server;
 mod snapshot;
 mod table;
 mod tasks;

@@ -1,7 +1,7 @@
 //! `connreap run`: the daemon, on a two-thread runtime (see `daemon`).
 use std::{process::ExitCode, time::Duration};
 
-use crate::{config, daemon, scan_loop};
+use crate::{config, daemon};
 
 pub(super) fn run(
     verbose: bool,
@@ -15,7 +15,7 @@ pub(super) fn run(
     for w in config::warnings(&cfg) {
         tracing::warn!("{source}: {w}");
     }
-    if let Err(e) = scan_loop::check_watchdog(cfg.agent.scan_interval) {
+    if let Err(e) = daemon::scan_loop::check_watchdog(cfg.agent.scan_interval) {
         eprintln!("connreap: {e}");
         return Ok(ExitCode::from(config::EX_CONFIG));
     }

@@ -40,7 +40,7 @@ pub struct Published {
     pub last_scan: Option<Instant>,
     pub last_scan_error: Option<String>,
     /// Scans (or reclaim rounds) failed in a row: see [`crate::health`].
-    pub failures: crate::health::Failures,
+    pub failures: super::health::Failures,
     pub scans: u64,
     /// Notifications waiting for webhook receivers.
     pub webhook_queued: usize,
@@ -98,7 +98,7 @@ async fn healthz(State(st): State<Arc<AppState>>) -> Response {
     // Failing (the daemon must be restarted): the engine is gone, scans keep failing or a
     // supervised task stopped; the scan loop has stopped the watchdog pings for the same cause.
     let failed_tasks = st.tasks.failures();
-    let fatal = crate::health::fatal(
+    let fatal = super::health::fatal(
         &p.failures,
         st.engine.status.borrow().dead.as_deref(),
         &failed_tasks,

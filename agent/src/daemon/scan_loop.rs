@@ -7,13 +7,15 @@ use std::{
 
 use tokio::sync::{mpsc, watch};
 
+use super::{
+    api::{Published, TableView},
+    health::{self, Failures},
+};
 use crate::{
     alert::{Cadence, Tracker},
-    api::{Published, TableView},
     config::Config,
     detect::{self, ConnKey, FailTracker, Memory, StormTracker, Target},
     engine::{Engine, EngineError, ScanOutput},
-    health::{self, Failures},
     kernel::{
         outcome::Attempts,
         ring::{AttemptKey, OpenKey},

@@ -1,18 +1,23 @@
-//! `connreap run`: build every part, start them, serve until a signal, shut down.
+//! `connreap run`: build every part, start them, serve until a signal, shut down. The daemon's
+//! own parts: the scan loop, when it must be restarted (`health`), the HTTP API and its
+//! accept loop (`server`).
+pub mod api;
+pub mod health;
+pub mod scan_loop;
+mod server;
+
 use std::{sync::Arc, time::Instant};
 
 use anyhow::Context as _;
 use tokio::sync::{mpsc, watch};
 
+use self::{api::AppState, scan_loop::ScanLoop};
 use crate::{
-    api::{self, AppState},
     config::Config,
     engine::{Core, Engine},
     kernel::{self, Kernel},
     metrics::{MechanismLabels, Metrics},
     notify::{Notification, Reclaimed},
-    scan_loop::ScanLoop,
-    server,
     tasks::Supervisor,
     webhook::Webhooks,
 };
