@@ -11,7 +11,6 @@ mod kernel;
 mod kind;
 mod logging;
 mod metrics;
-mod notify;
 mod present;
 mod quota;
 mod reclaim;
@@ -19,7 +18,6 @@ mod scan;
 mod snapshot;
 mod table;
 mod tasks;
-mod webhook;
 
 use std::process::ExitCode;
 

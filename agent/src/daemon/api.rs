@@ -13,7 +13,7 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use crate::{
-    config::Config, engine::Engine, metrics::Metrics, notify::Alert, quota::QuotaStatus,
+    alert::notify::Alert, config::Config, engine::Engine, metrics::Metrics, quota::QuotaStatus,
     snapshot::FilterArgs, table::Socket, tasks::Supervisor,
 };
 

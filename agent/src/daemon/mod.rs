@@ -13,13 +13,13 @@ use tokio::sync::{mpsc, watch};
 
 use self::{api::AppState, scan_loop::ScanLoop};
 use crate::{
+    alert::notify::{Notification, Reclaimed},
+    alert::webhook::Webhooks,
     config::Config,
     engine::{Core, Engine},
     kernel::{self, Kernel},
     metrics::{MechanismLabels, Metrics},
-    notify::{Notification, Reclaimed},
     tasks::Supervisor,
-    webhook::Webhooks,
 };
 
 /// How long queued notifications may delay the exit after a signal.

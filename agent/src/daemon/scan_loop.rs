@@ -12,6 +12,7 @@ use super::{
     health::{self, Failures},
 };
 use crate::{
+    alert::webhook::Webhooks,
     alert::{Cadence, Tracker},
     config::Config,
     detect::{self, ConnKey, FailTracker, Memory, StormTracker, Target},
@@ -24,7 +25,6 @@ use crate::{
     quota::{self, QuotaStatus},
     table::{Netns, Socket},
     tasks::Supervisor,
-    webhook::Webhooks,
 };
 
 pub struct ScanLoop {

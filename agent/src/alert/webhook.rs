@@ -13,10 +13,10 @@ use serde_json::{json, Value};
 use tokio::sync::Notify;
 
 use crate::{
+    alert::notify::{Alert, Notification, Reclaimed, Status},
     config::{AlertsConfig, WebhookConfig, WebhookFormat},
     logging::Repeats,
     metrics::Metrics,
-    notify::{Alert, Notification, Reclaimed, Status},
     present::rfc3339,
     tasks::Supervisor,
 };
@@ -151,7 +151,7 @@ fn urlencode(s: &str) -> String {
 /// the destroy mechanism.
 fn reclaimed_alertmanager(r: &Reclaimed) -> Value {
     let at = rfc3339(r.time);
-    let joined = |f: &dyn Fn(&crate::notify::ReclaimedNamespace) -> String| {
+    let joined = |f: &dyn Fn(&crate::alert::notify::ReclaimedNamespace) -> String| {
         r.namespaces.iter().map(f).collect::<Vec<_>>().join(",")
     };
     let mut containers: Vec<&str> = r
@@ -542,7 +542,7 @@ mod tests {
     /// they always had.
     #[test]
     fn reclaimed_alert_names_where_it_closed_sockets() {
-        use crate::notify::{Reclaimed, ReclaimedNamespace};
+        use crate::alert::notify::{Reclaimed, ReclaimedNamespace};
         let id = format!("abcdef{}", "0".repeat(58));
         let ns = |netns: u32, name: Option<&str>, containers: Vec<String>| ReclaimedNamespace {
             netns,

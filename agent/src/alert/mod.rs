@@ -1,5 +1,8 @@
 //! Alert lifecycle: findings become firing alerts (sent once, then every repeat interval) and
 //! resolved alerts when they clear. Pure; `notify` holds what is sent, `webhook` sends it.
+pub mod notify;
+pub mod webhook;
+
 use std::{
     collections::{btree_map::Entry, BTreeMap},
     time::{Duration, Instant},
@@ -8,8 +11,8 @@ use std::{
 use chrono::{DateTime, Utc};
 
 use crate::{
+    alert::notify::{Alert, Notification, Status},
     detect::Finding,
-    notify::{Alert, Notification, Status},
 };
 
 struct Active {
