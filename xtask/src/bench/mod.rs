@@ -18,6 +18,7 @@ mod proc;
 mod profile;
 mod report;
 mod scale;
+mod split;
 pub(crate) mod sys;
 
 use std::{

@@ -19,7 +19,7 @@ use super::{
     load::{self, Holders},
     proc::{self, Timed},
     report::{ms, Row, Verdict},
-    scale::ScanSplit,
+    split::ScanSplit,
     sys::{NetNs, NsHandle},
     Ctx,
 };

@@ -24,7 +24,7 @@ pub use namespaces::{knows_namespaces, namespaces_row};
 use super::{
     proc::{self, Timed},
     report::{ms, Row, Verdict},
-    scale::ScanSplit,
+    split::ScanSplit,
     sys::NsHandle,
     BenchArgs, Ctx,
 };
