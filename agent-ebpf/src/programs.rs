@@ -13,11 +13,11 @@ use aya_ebpf::{
         generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
     },
     macros::map,
-    maps::{Array, PerCpuArray, RingBuf},
+    maps::{PerCpuArray, RingBuf},
 };
 use connreap_ebpf::{
-    counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateSet,
-    AF_INET, AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM, STATE_SETS,
+    counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, AF_INET,
+    AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM,
 };
 
 #[no_mangle]
@@ -27,13 +27,6 @@ pub static LICENSE: [u8; 4] = *b"GPL\0";
 /// Set by the loader from the running kernel's BTF.
 #[no_mangle]
 pub(crate) static CONNREAP_OFFSETS: KernelOffsets = KernelOffsets::zeroed();
-
-/// Per-socket state, the jiffy it was entered and the 4-tuple: a set-associative table of
-/// [`STATE_SETS`] sets (see `state.rs`). Preallocated: a fixed `STATE_SETS × size_of::<StateSet>()`
-/// bytes of kernel memory (exported as `connreap_bpf_map_memory_bytes`) for up to
-/// `STATE_MAP_ENTRIES` sockets.
-#[map(name = "CONNREAP_STATE")]
-pub(crate) static CONNREAP_STATE: Array<StateSet> = Array::pinned(STATE_SETS, 0);
 
 #[map(name = "CONNREAP_EVENTS")]
 pub(crate) static CONNREAP_EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);

@@ -15,9 +15,14 @@
 //! Keys are socket addresses as plain numbers: the verifier allows no arithmetic on a kernel
 //! pointer (the hash) and no pointer as an atomic operand, so callers pass the address as read
 //! back from map memory or through a probe read.
-use connreap_ebpf::{StateEntry, StateSet, STATE_SET_BITS, STATE_WAYS};
+use aya_ebpf::{macros::map, maps::Array};
+use connreap_ebpf::{StateEntry, StateSet, STATE_SETS, STATE_SET_BITS, STATE_WAYS};
 
-use crate::programs::CONNREAP_STATE;
+/// Per-socket state, the jiffy it was entered and the 4-tuple: the table this module keeps.
+/// Preallocated: a fixed `STATE_SETS × size_of::<StateSet>()` bytes of kernel memory (exported
+/// as `connreap_bpf_map_memory_bytes`) for up to `STATE_MAP_ENTRIES` sockets.
+#[map(name = "CONNREAP_STATE")]
+static CONNREAP_STATE: Array<StateSet> = Array::pinned(STATE_SETS, 0);
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
