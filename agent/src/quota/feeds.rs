@@ -107,10 +107,15 @@ pub async fn poll_once(
             *hint = pid;
             ns
         }
-        Ok(Err(e)) => return failed(e.to_string()),
+        Ok(Err(e)) => {
+            // The namespace is gone: let go of it (the poller's thread would keep it alive).
+            *poller = None;
+            return failed(e.to_string());
+        }
         Err(e) => return failed(format!("finding the namespace to poll in failed: {e}")),
     };
     if ns.own {
+        *poller = None;
         return poll::poll(client, cfg, timeout, previous).await;
     }
     let (inode, place) = (ns.inode, place.to_string());
