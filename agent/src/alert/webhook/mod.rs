@@ -117,6 +117,8 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     if let Some(c) = &f.container {
         annotations["container"] = json!(c.id);
         annotations["container_runtime"] = json!(c.runtime.as_str());
+        annotations["container_name"] = json!(c.name.as_deref().unwrap_or(""));
+        annotations["container_image"] = json!(c.image.as_deref().unwrap_or(""));
         annotations["pod_uid"] = json!(c.pod_uid.as_deref().unwrap_or(""));
         annotations["pod_name"] = json!(c.pod_name.as_deref().unwrap_or(""));
         annotations["pod_namespace"] = json!(c.pod_namespace.as_deref().unwrap_or(""));
@@ -503,6 +505,8 @@ mod tests {
         assert_eq!(ann["netns_name"], "cni-1");
         assert_eq!(ann["container"], c.id.as_str());
         assert_eq!(ann["container_runtime"], "containerd");
+        assert_eq!(ann["container_name"], c.name.as_deref().unwrap_or(""));
+        assert_eq!(ann["container_image"], c.image.as_deref().unwrap_or(""));
         assert_eq!(ann["pod_uid"], c.pod_uid.as_deref().unwrap());
         let j = body(&a, WebhookFormat::Json, &am).unwrap();
         assert_eq!(j["netns"], 4026532001u32);
