@@ -1,10 +1,17 @@
-//! The one owner of the kernel scanner and the reclaimer. Scans and reclaim rounds block (BPF
-//! iterators, netlink, the audit file), so they run on a dedicated thread that takes requests
-//! over a channel and answers on a oneshot: async code (the scan loop, API handlers) awaits
-//! the answer and never blocks a runtime worker, and rounds never run concurrently.
-use std::sync::Arc;
+//! The one owner of the kernel scanner and the reclaimer, on a dedicated thread. Scans,
+//! detectors and reclaim rounds block or walk the whole table (BPF iterators, netlink, the
+//! audit file), so the daemon's whole per-scan pipeline ([`Periodic`]) runs here, never on the
+//! async runtime; API handlers ask for extra rounds over a channel and await the answer on a
+//! oneshot. Rounds never run concurrently.
+use std::{
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        mpsc, Arc,
+    },
+    time::{Duration, Instant},
+};
 
-use tokio::sync::{mpsc, oneshot, watch};
+use tokio::sync::{oneshot, watch};
 
 use crate::{
     config::{Config, PolicyConfig},
@@ -39,13 +46,8 @@ pub enum EngineError {
 }
 
 enum Request {
-    Scan(oneshot::Sender<Result<ScanOutput, KernelError>>),
-    /// Every configured policy's round on the scan loop's table; the table comes back.
-    Rounds {
-        table: Vec<Socket>,
-        quotas: Arc<Vec<QuotaStatus>>,
-        reply: oneshot::Sender<(Vec<Socket>, Vec<RoundResult>)>,
-    },
+    /// Stop the thread (the daemon is shutting down).
+    Stop,
     /// One policy's round on a fresh scan (POST /v1/reclaim).
     ReclaimNow {
         policy: Box<PolicyConfig>,
@@ -109,25 +111,6 @@ impl Core {
         // A dropped reply means the asker went away (e.g. an API client disconnected): the
         // round has still been run and audited, nothing else to do.
         match req {
-            Request::Scan(reply) => {
-                let _ = reply.send(self.scan());
-            }
-            Request::Rounds {
-                table,
-                quotas,
-                reply,
-            } => {
-                let policies = self.cfg.policy.clone();
-                let rounds = policies
-                    .iter()
-                    .map(|p| {
-                        let round = self.round(p, &table, &quotas, false, Asker::Scheduled);
-                        report(&round);
-                        round
-                    })
-                    .collect();
-                let _ = reply.send((table, rounds));
-            }
             Request::ReclaimNow {
                 policy,
                 dry_run,
@@ -141,6 +124,7 @@ impl Core {
                 });
                 let _ = reply.send(result);
             }
+            Request::Stop => {}
         }
     }
 }
@@ -155,10 +139,25 @@ pub struct EngineStatus {
     pub dead: Option<String>,
 }
 
+/// Work the engine thread runs every [`Periodic::interval`], between requests: the daemon's
+/// per-scan pipeline. `report` sees every reclaim round it runs (metrics, notifications);
+/// once `stopping` is set no round may start.
+pub trait Periodic: Send + 'static {
+    fn interval(&self) -> Duration;
+    fn tick(
+        &mut self,
+        core: &mut Core,
+        report: &mut dyn FnMut(&RoundResult),
+        stopping: &AtomicBool,
+    );
+}
+
 /// Handle to the engine thread; cheap to clone.
 #[derive(Clone)]
 pub struct Engine {
     tx: mpsc::Sender<Request>,
+    /// Set by [`Engine::stop`]: no tick or round starts after it.
+    stopping: Arc<AtomicBool>,
     /// The destroy mechanism chosen at start ("none" if there is none).
     pub mechanism: &'static str,
     /// Recent reclaim decisions and the audit log's state, republished after every round.
@@ -166,24 +165,57 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Start the engine thread around `core`; `report` sees every reclaim round (metrics,
-    /// notifications), whoever asked for it.
+    /// Start the engine thread around `core`, running `periodic` (if any) at its interval, the
+    /// first time at once; `report` sees every reclaim round (metrics, notifications), whoever
+    /// asked for it.
     pub fn spawn(
         mut core: Core,
+        mut periodic: Option<Box<dyn Periodic>>,
         mut report: impl FnMut(&RoundResult) + Send + 'static,
     ) -> std::io::Result<Engine> {
-        let (tx, mut rx) = mpsc::channel::<Request>(16);
+        let (tx, rx) = mpsc::channel::<Request>();
         let (status_tx, status) = watch::channel(EngineStatus::default());
+        let stopping = Arc::new(AtomicBool::new(false));
+        let stop = stopping.clone();
         let mechanism = core.reclaimer.mechanism_name();
         std::thread::Builder::new()
             .name("connreap-engine".into())
             .spawn(move || {
-                // A panic ends the thread: say why on the status channel, so the scan loop
-                // names the cause on /healthz instead of a bare "thread is gone".
+                // A panic ends the thread: say why on the status channel, so /healthz names
+                // the cause instead of a bare "thread is gone".
                 let run = std::panic::AssertUnwindSafe(|| {
-                    while let Some(req) = rx.blocking_recv() {
+                    let mut next = Instant::now();
+                    loop {
+                        if stop.load(Ordering::Relaxed) {
+                            break;
+                        }
                         let rounds = core.reclaimer.rounds();
-                        core.handle(req, &mut report);
+                        let now = Instant::now();
+                        match periodic.as_mut() {
+                            Some(p) if now >= next => {
+                                p.tick(&mut core, &mut report, &stop);
+                                // A late tick delays the next one (no burst to catch up).
+                                next = (next + p.interval()).max(now);
+                            }
+                            _ => {
+                                let wait = periodic.as_ref().map(|_| next - now);
+                                let req = match wait {
+                                    Some(wait) => rx.recv_timeout(wait),
+                                    None => {
+                                        rx.recv().map_err(|_| mpsc::RecvTimeoutError::Disconnected)
+                                    }
+                                };
+                                match req {
+                                    Ok(Request::Stop) => break,
+                                    Ok(req) if !stop.load(Ordering::Relaxed) => {
+                                        core.handle(req, &mut report)
+                                    }
+                                    Ok(_) => break,
+                                    Err(mpsc::RecvTimeoutError::Timeout) => {}
+                                    Err(mpsc::RecvTimeoutError::Disconnected) => break,
+                                }
+                            }
+                        }
                         let audit_error = core.reclaimer.audit_error.clone();
                         if core.reclaimer.rounds() != rounds
                             || status_tx.borrow().audit_error != audit_error
@@ -197,6 +229,7 @@ impl Engine {
                     }
                 });
                 let why = match std::panic::catch_unwind(run) {
+                    Ok(()) if stop.load(Ordering::Relaxed) => return,
                     Ok(()) => "stopped".to_string(),
                     Err(p) => format!("panicked: {}", crate::tasks::panic_message(p)),
                 };
@@ -205,9 +238,16 @@ impl Engine {
             })?;
         Ok(Engine {
             tx,
+            stopping,
             mechanism,
             status,
         })
+    }
+
+    /// No tick or round starts after this (one in progress ends as it would).
+    pub fn stop(&self) {
+        self.stopping.store(true, Ordering::Relaxed);
+        let _ = self.tx.send(Request::Stop);
     }
 
     async fn ask<T>(
@@ -215,29 +255,8 @@ impl Engine {
         make: impl FnOnce(oneshot::Sender<T>) -> Request,
     ) -> Result<T, EngineError> {
         let (reply, rx) = oneshot::channel();
-        self.tx
-            .send(make(reply))
-            .await
-            .map_err(|_| EngineError::Gone)?;
+        self.tx.send(make(reply)).map_err(|_| EngineError::Gone)?;
         rx.await.map_err(|_| EngineError::Gone)
-    }
-
-    pub async fn scan(&self) -> Result<ScanOutput, EngineError> {
-        Ok(self.ask(Request::Scan).await??)
-    }
-
-    /// Every policy's round on `table`; gives the table back.
-    pub async fn rounds(
-        &self,
-        table: Vec<Socket>,
-        quotas: Arc<Vec<QuotaStatus>>,
-    ) -> Result<(Vec<Socket>, Vec<RoundResult>), EngineError> {
-        self.ask(|reply| Request::Rounds {
-            table,
-            quotas,
-            reply,
-        })
-        .await
     }
 
     /// One round of `policy` on a fresh scan.

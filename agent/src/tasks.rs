@@ -40,6 +40,21 @@ impl Supervisor {
         });
     }
 
+    /// [`Supervisor::spawn`] for blocking work: `f` runs on a thread of tokio's blocking pool
+    /// for as long as it lasts; a panic or an end is recorded the same way.
+    pub fn spawn_blocking<F>(&self, name: impl Into<String>, f: F)
+    where
+        F: FnOnce() + Send + 'static,
+    {
+        self.spawn(name, async move {
+            if let Err(e) = tokio::task::spawn_blocking(f).await {
+                if e.is_panic() {
+                    std::panic::resume_unwind(e.into_panic());
+                }
+            }
+        });
+    }
+
     /// Tasks that panicked or stopped, with why.
     pub fn failures(&self) -> Vec<String> {
         self.failed.borrow().clone()
@@ -73,6 +88,28 @@ mod tests {
         assert_eq!(
             s.failures(),
             vec!["task quota poller relay panicked: period must be non-zero".to_string()]
+        );
+    }
+
+    #[tokio::test]
+    async fn a_blocking_task_that_panics_or_ends_is_recorded() {
+        let s = Supervisor::default();
+        s.spawn_blocking("ring reader", || panic!("poll failed"));
+        s.spawn_blocking("short", || {});
+        for _ in 0..200 {
+            if s.failures().len() == 2 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        let mut got = s.failures();
+        got.sort();
+        assert_eq!(
+            got,
+            vec![
+                "task ring reader panicked: poll failed".to_string(),
+                "task short stopped".to_string()
+            ]
         );
     }
 }

@@ -211,12 +211,22 @@ async fn sockets(
                 continue;
             }
         };
-        let selected: Vec<&Socket> = table.iter().filter(|s| filter.matches(s)).collect();
-        return match crate::snapshot::socket_list_json(&selected) {
-            Ok(body) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
-            Err(e) => error(
+        // Filtering and rendering walk the whole table (megabytes at 100k sockets): on the
+        // blocking pool, never on a runtime worker that serves other requests.
+        let rendered = tokio::task::spawn_blocking(move || {
+            let selected: Vec<&Socket> = table.iter().filter(|s| filter.matches(s)).collect();
+            crate::snapshot::socket_list_json(&selected)
+        })
+        .await;
+        return match rendered {
+            Ok(Ok(body)) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
+            Ok(Err(e)) => error(
                 StatusCode::INTERNAL_SERVER_ERROR,
                 format!("cannot render the socket table: {e}"),
+            ),
+            Err(e) => error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("rendering the socket table failed: {e}"),
             ),
         };
     }

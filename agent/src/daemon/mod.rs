@@ -76,20 +76,23 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     let outcomes = kernel::outcome::Outcomes::new(kernel.hz, cfg.detect.failing_short_lifetime);
     let ring_metrics = metrics.clone();
     let tasks = Supervisor::default();
-    let reader = kernel::ring::read(ring, flusher, outcomes, move |d| {
-        ring_metrics.events_read.inc_by(d.events);
-        if let Some(f) = d.flushed {
-            ring_metrics.batches_flushed.inc_by(f.sent.into());
-            ring_metrics.flush_busy.inc_by(f.busy.into());
-        }
-        if !d.opens.is_empty() {
-            let _ = opens_tx.send(d.opens);
-        }
-        if !d.attempts.is_empty() {
-            let _ = attempts_tx.send(d.attempts);
-        }
-    });
-    tasks.spawn("transition ring reader", reader);
+    let reader = move || {
+        kernel::ring::read(ring, flusher, outcomes, move |d| {
+            ring_metrics.events_read.inc_by(d.events);
+            if let Some(f) = d.flushed {
+                ring_metrics.batches_flushed.inc_by(f.sent.into());
+                ring_metrics.flush_busy.inc_by(f.busy.into());
+            }
+            if !d.opens.is_empty() {
+                let _ = opens_tx.send(d.opens);
+            }
+            if !d.attempts.is_empty() {
+                let _ = attempts_tx.send(d.attempts);
+            }
+        })
+    };
+    // On a thread of its own (it blocks), supervised like the async tasks.
+    tasks.spawn_blocking("transition ring reader", reader);
 
     let webhooks = Webhooks::spawn(
         &cfg.webhook,
@@ -103,17 +106,40 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         let cfg = cfg.clone();
         tokio::task::spawn_blocking(move || Core::new(cfg, kernel, verbose, "daemon")).await?
     };
+    // Listen before the first scan: a daemon that cannot serve its API never starts reclaiming.
+    let listener = tokio::net::TcpListener::bind(cfg.agent.listen)
+        .await
+        .with_context(|| format!("cannot listen on {} (agent.listen)", cfg.agent.listen))?;
+    let (published, _) = watch::channel(api::Published::default());
+    let scan_loop = ScanLoop {
+        quotas: crate::quota::feeds::QuotaFeeds::spawn(&cfg, &tasks)
+            .context("cannot build the quota sources' HTTP client")?,
+        cfg: cfg.clone(),
+        host: host.clone(),
+        opens,
+        attempts,
+        published: published.clone(),
+        metrics: metrics.clone(),
+        webhooks: webhooks.clone(),
+        tasks: tasks.clone(),
+    };
+    // The per-scan pipeline runs on the engine thread, the first scan at once: nothing on the
+    // async runtime walks the table.
     let engine = {
         let (metrics, webhooks, host) = (metrics.clone(), webhooks.clone(), host.clone());
-        Engine::spawn(core, move |round| {
-            metrics.observe_round(round);
-            if round.audit_error.is_some() {
-                metrics.audit_errors.inc();
-            }
-            if let Some(r) = Reclaimed::from_round(&host, round, chrono::Utc::now()) {
-                webhooks.send(&Notification::Reclaimed(r));
-            }
-        })
+        Engine::spawn(
+            core,
+            Some(Box::new(scan_loop.into_pipeline())),
+            move |round| {
+                metrics.observe_round(round);
+                if round.audit_error.is_some() {
+                    metrics.audit_errors.inc();
+                }
+                if let Some(r) = Reclaimed::from_round(&host, round, chrono::Utc::now()) {
+                    webhooks.send(&Notification::Reclaimed(r));
+                }
+            },
+        )
         .context("cannot start the scan/reclaim thread")?
     };
     metrics
@@ -123,55 +149,28 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
         })
         .set(1);
 
-    let (published, _) = watch::channel(api::Published::default());
-    let scan_loop = ScanLoop {
-        quotas: crate::quota::feeds::QuotaFeeds::spawn(&cfg, &tasks)
-            .context("cannot build the quota sources' HTTP client")?,
-        cfg: cfg.clone(),
-        host,
-        engine: engine.clone(),
-        opens,
-        attempts,
-        published: published.clone(),
-        metrics: metrics.clone(),
-        webhooks: webhooks.clone(),
-        tasks: tasks.clone(),
-    };
     let state = Arc::new(AppState {
         published,
         metrics,
         cfg: cfg.clone(),
         started: Instant::now(),
-        engine,
+        engine: engine.clone(),
         token,
         tasks,
     });
-    let listener = tokio::net::TcpListener::bind(cfg.agent.listen)
-        .await
-        .with_context(|| format!("cannot listen on {} (agent.listen)", cfg.agent.listen))?;
     tracing::info!(config = %source, listen = %cfg.agent.listen, scan_interval = %humantime::format_duration(cfg.agent.scan_interval),
         quotas = cfg.quota.len(), webhooks = cfg.webhook.len(), "connreap running");
     // On a signal everything stops at once: no new scan or reclaim round starts (a round in
     // progress has already written its kill intents), the API closes; queued notifications
-    // get a short, bounded chance to go out.
-    // The scan loop is a task of its own: its detectors and metrics run on one runtime thread
-    // while the API's accept loop (and its connection cap) goes on on the other.
-    let mut scans = tokio::spawn(scan_loop.run());
-    let scans_ended = tokio::select! {
-        () = server::serve(listener, api::router(state), shutdown_signal()) => None,
-        r = &mut scans => Some(r),
-    };
-    scans.abort();
+    // get a short, bounded chance to go out. A dead engine thread does not end the daemon:
+    // /healthz names it and the watchdog pings stop (see `health`).
+    server::serve(listener, api::router(state), shutdown_signal()).await;
+    engine.stop();
     if !webhooks.drain(WEBHOOK_DRAIN).await {
         tracing::warn!(
             queued = webhooks.queued(),
             "shutting down with undelivered notifications"
         );
     }
-    match scans_ended {
-        // The loop never returns; a panic in it ends the daemon (systemd restarts it).
-        Some(Err(e)) if e.is_panic() => anyhow::bail!("the scan loop panicked: {e}"),
-        Some(_) => anyhow::bail!("the scan loop ended"),
-        None => Ok(()),
-    }
+    Ok(())
 }

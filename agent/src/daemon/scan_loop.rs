@@ -1,7 +1,11 @@
-//! The daemon's scan loop: every `scan_interval`, a scan (through the engine), quota readings,
-//! the detectors, alert notifications, reclaim rounds, then what the API serves.
+//! The daemon's per-scan pipeline, run by the engine thread every `scan_interval` (never on
+//! the async runtime): a scan, quota readings, the detectors, alert notifications, reclaim
+//! rounds, then what the API serves.
 use std::{
-    sync::Arc,
+    sync::{
+        atomic::{AtomicBool, Ordering},
+        Arc,
+    },
     time::{Duration, Instant},
 };
 
@@ -16,13 +20,14 @@ use crate::{
     alert::{Cadence, Tracker},
     config::Config,
     detect::{self, ConnKey, FailTracker, Memory, StormTracker, Target},
-    engine::{Engine, EngineError, ScanOutput},
+    engine::{Core, Periodic, ScanOutput},
     kernel::{
         outcome::Attempts,
         ring::{AttemptKey, OpenKey},
     },
     metrics::Metrics,
     quota::{self, QuotaStatus},
+    reclaim::exec::{Asker, RoundResult},
     table::{Netns, Socket},
     tasks::Supervisor,
 };
@@ -30,7 +35,6 @@ use crate::{
 pub struct ScanLoop {
     pub cfg: Config,
     pub host: String,
-    pub engine: Engine,
     pub quotas: quota::feeds::QuotaFeeds,
     /// Active opens from the ring reader, per drain.
     pub opens: mpsc::UnboundedReceiver<Vec<(OpenKey, u64)>>,
@@ -43,7 +47,7 @@ pub struct ScanLoop {
     pub tasks: Supervisor,
 }
 
-/// The systemd watchdog is pinged once per scan (in [`ScanLoop::run`]) while the daemon is not
+/// The systemd watchdog is pinged once per scan (in [`Pipeline::tick`]) while the daemon is not
 /// failing ([`health::fatal`]), so a watchdog interval
 /// near `agent.scan_interval` would kill a healthy daemon whenever one scan runs a little long.
 #[derive(Debug, thiserror::Error)]
@@ -104,15 +108,21 @@ struct Carry {
     fatal: Option<String>,
 }
 
+/// The scan loop and the state it carries from one scan to the next: what the engine thread
+/// runs.
+pub struct Pipeline {
+    lp: ScanLoop,
+    carry: Carry,
+    watchdog: bool,
+}
+
 impl ScanLoop {
-    pub async fn run(mut self) {
-        let mut ticker = tokio::time::interval(self.cfg.agent.scan_interval);
-        ticker.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    pub fn into_pipeline(self) -> Pipeline {
         let mut alerts = Tracker::new(self.host.clone(), Cadence::from_config(&self.cfg.alerts));
         let firing_saved =
             crate::alert::load_firing(&crate::alert::firing_path(&self.cfg.reclaim.audit_log));
         alerts.inherit(firing_saved.clone());
-        let mut carry = Carry {
+        let carry = Carry {
             firing_saved,
             firing_saved_error: None,
             alerts,
@@ -126,52 +136,73 @@ impl ScanLoop {
         };
         let mut watchdog_usec = 0u64;
         let watchdog = sd_notify::watchdog_enabled(false, &mut watchdog_usec);
-        loop {
-            ticker.tick().await;
-            let t0 = Instant::now();
-            let outcome = self.once(&mut carry, t0).await;
-            self.metrics
-                .scan_duration
-                .observe(t0.elapsed().as_secs_f64());
-            match outcome {
-                Ok(()) => carry.failures.ok(),
-                Err(e) => carry.failures.failed(e),
-            }
-            let fatal = health::fatal(
-                &carry.failures,
-                self.engine.status.borrow().dead.as_deref(),
-                &self.tasks.failures(),
-            );
-            self.published
-                .send_modify(|p| p.failures = carry.failures.clone());
-            if carry.failures.in_row == 0 && self.published.borrow().scans == 1 {
-                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
-                tracing::info!(
-                    scan_ms = t0.elapsed().as_millis() as u64,
-                    "first scan done; ready"
-                );
-            }
-            if fatal.is_some() != carry.fatal.is_some() {
-                match &fatal {
-                    Some(cause) => tracing::error!(
-                        cause = %cause,
-                        "failing: no more watchdog pings (systemd restarts the daemon), /healthz answers 503"
-                    ),
-                    None => {
-                        tracing::info!("recovered: watchdog pings resume, /healthz answers 200")
-                    }
-                }
-            }
-            carry.fatal = fatal;
-            if watchdog && carry.fatal.is_none() {
-                let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
-            }
+        Pipeline {
+            lp: self,
+            carry,
+            watchdog,
         }
     }
+}
 
+impl Periodic for Pipeline {
+    fn interval(&self) -> Duration {
+        self.lp.cfg.agent.scan_interval
+    }
+
+    fn tick(
+        &mut self,
+        core: &mut Core,
+        report: &mut dyn FnMut(&RoundResult),
+        stopping: &AtomicBool,
+    ) {
+        let (lp, carry) = (&mut self.lp, &mut self.carry);
+        let t0 = Instant::now();
+        let outcome = lp.once(carry, t0, core, report, stopping);
+        lp.metrics.scan_duration.observe(t0.elapsed().as_secs_f64());
+        match outcome {
+            Ok(()) => carry.failures.ok(),
+            Err(e) => carry.failures.failed(e),
+        }
+        // This thread is the engine: it is alive if this runs.
+        let fatal = health::fatal(&carry.failures, None, &lp.tasks.failures());
+        lp.published
+            .send_modify(|p| p.failures = carry.failures.clone());
+        if carry.failures.in_row == 0 && lp.published.borrow().scans == 1 {
+            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Ready]);
+            tracing::info!(
+                scan_ms = t0.elapsed().as_millis() as u64,
+                "first scan done; ready"
+            );
+        }
+        if fatal.is_some() != carry.fatal.is_some() {
+            match &fatal {
+                Some(cause) => tracing::error!(
+                    cause = %cause,
+                    "failing: no more watchdog pings (systemd restarts the daemon), /healthz answers 503"
+                ),
+                None => {
+                    tracing::info!("recovered: watchdog pings resume, /healthz answers 200")
+                }
+            }
+        }
+        carry.fatal = fatal;
+        if self.watchdog && carry.fatal.is_none() {
+            let _ = sd_notify::notify(false, &[sd_notify::NotifyState::Watchdog]);
+        }
+    }
+}
+
+impl ScanLoop {
     /// One scan and everything that follows from it; Err: why the scan or the reclaim rounds
     /// failed (then nothing new is published but the error).
-    async fn once(&mut self, carry: &mut Carry, t0: Instant) -> Result<(), String> {
+    fn once(
+        &mut self,
+        carry: &mut Carry,
+        t0: Instant,
+        core: &mut Core,
+        report: &mut dyn FnMut(&RoundResult),
+        stopping: &AtomicBool,
+    ) -> Result<(), String> {
         // Free the published table before building the next one: two tables would double the
         // daemon's memory at 100k sockets. GET /v1/sockets waits for the new one.
         self.published.send_modify(|p| p.table = TableView::Pending);
@@ -181,11 +212,11 @@ impl ScanLoop {
             programs,
             tracker,
             namespaces,
-        } = match self.engine.scan().await {
+        } = match core.scan() {
             Ok(out) => out,
             Err(e) => {
                 self.metrics.scan_errors.inc();
-                let e = self.describe(e);
+                let e = format!("scan failed: {:#}", anyhow::Error::new(e));
                 carry.errors.record();
                 if let Some(n) = carry.errors.due(Instant::now()) {
                     tracing::error!(error = %e, failures = n, "scan failed");
@@ -208,7 +239,7 @@ impl ScanLoop {
             &namespaces.known,
         );
         carry.window_start = t0;
-        let freed = self.freed(&quotas);
+        let freed = freed(&core.reclaimer.recent(), &quotas);
         let findings = detect::run(
             &detect::Input {
                 table: &table,
@@ -254,20 +285,14 @@ impl ScanLoop {
         for n in &update.notify {
             self.webhooks.send(n);
         }
-        let table = match self.engine.rounds(table, quotas.clone()).await {
-            Ok((table, _rounds)) => table,
-            Err(e) => {
-                // The table went to the engine with the request: publish the failure, never an
-                // empty table (that would read as "no sockets").
-                let e = self.describe(e);
-                carry.errors.record();
-                if let Some(n) = carry.errors.due(Instant::now()) {
-                    tracing::error!(error = %e, failures = n, "reclaim rounds failed");
-                }
-                self.publish_failure(format!("reclaim rounds failed: {e}"));
-                return Err(e);
+        for p in &self.cfg.policy {
+            // The daemon is shutting down: no round starts.
+            if stopping.load(Ordering::Relaxed) {
+                break;
             }
-        };
+            let round = core.round(p, &table, &quotas, false, Asker::Scheduled);
+            report(&round);
+        }
         self.webhooks.log_drops();
         let queued = self.webhooks.queued();
         self.published.send_modify(|p| {
@@ -282,14 +307,6 @@ impl ScanLoop {
             p.netns_failed = namespaces.failed;
         });
         Ok(())
-    }
-
-    /// An engine error as text; for a dead engine, why it died.
-    fn describe(&self, e: EngineError) -> String {
-        match (&e, self.engine.status.borrow().dead.as_deref()) {
-            (EngineError::Gone, Some(why)) => why.to_string(),
-            _ => format!("{:#}", anyhow::Error::new(e)),
-        }
     }
 
     /// The API answers `error` instead of a table until a scan succeeds again.
@@ -324,31 +341,6 @@ impl ScanLoop {
         }
         storm.set_namespaces(namespaces);
         storm.close_window(window, &self.cfg.detect, table);
-    }
-
-    /// The connections recent reclaim rounds (scheduled or asked for) closed for a quota whose
-    /// reading is not yet newer than the kill, from the reclaimer's recent decisions.
-    fn freed(&self, quotas: &[QuotaStatus]) -> Vec<detect::Freed> {
-        let status = self.engine.status.borrow();
-        status
-            .recent
-            .iter()
-            .filter(|d| d.result == crate::reclaim::Outcome::Killed)
-            .filter_map(|d| {
-                let q = d.quota.as_ref()?;
-                let reading = quotas.iter().find(|s| s.name == q.name)?.last_poll;
-                // Older kills are in the reading already; kept only while an alert that fired
-                // before them may still resolve (its text says what the reclaim did).
-                let keep = reading.is_none_or(|t| d.time >= t)
-                    || chrono::Utc::now() - d.time < chrono::Duration::minutes(FREED_KEPT_MINUTES);
-                keep.then(|| detect::Freed {
-                    quota: q.name.clone(),
-                    port: q.port,
-                    policy: d.policy.clone(),
-                    at: d.time,
-                })
-            })
-            .collect()
     }
 
     /// Connection outcomes since the last scan into the failing-upstream tracker and the
@@ -407,6 +399,29 @@ impl ScanLoop {
             })
             .collect()
     }
+}
+
+/// The connections recent reclaim rounds (scheduled or asked for) closed for a quota whose
+/// reading is not yet newer than the kill, from the reclaimer's recent decisions.
+fn freed(recent: &[crate::reclaim::Decision], quotas: &[QuotaStatus]) -> Vec<detect::Freed> {
+    recent
+        .iter()
+        .filter(|d| d.result == crate::reclaim::Outcome::Killed)
+        .filter_map(|d| {
+            let q = d.quota.as_ref()?;
+            let reading = quotas.iter().find(|s| s.name == q.name)?.last_poll;
+            // Older kills are in the reading already; kept only while an alert that fired
+            // before them may still resolve (its text says what the reclaim did).
+            let keep = reading.is_none_or(|t| d.time >= t)
+                || chrono::Utc::now() - d.time < chrono::Duration::minutes(FREED_KEPT_MINUTES);
+            keep.then(|| detect::Freed {
+                quota: q.name.clone(),
+                port: q.port,
+                policy: d.policy.clone(),
+                at: d.time,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -11,7 +11,6 @@ use std::{
 use aya::maps::{MapData, RingBuf};
 use connreap_ebpf::tcp_state;
 use rustc_hash::FxHashMap;
-use tokio::io::unix::AsyncFd;
 
 use super::{
     events::{self, FlushRound, Flusher},
@@ -154,41 +153,39 @@ const FLUSH_TICK: Duration = Duration::from_millis(500);
 
 /// Read the ring until it fails, calling `sink` after every drain. Errors are logged: the ring
 /// only feeds the reconnect-storm and failing-upstream detectors (and the upstream connection
-/// metrics); the rest of the daemon goes on without it.
-pub async fn read(
-    ring: RingBuf<MapData>,
+/// metrics); the rest of the daemon goes on without it. Blocking (poll(2) on the ring, the
+/// flush's BPF_PROG_TEST_RUN on every CPU, /proc reads): run it on a thread of its own, never
+/// on the async runtime.
+pub fn read(
+    mut ring: RingBuf<MapData>,
     flusher: Flusher,
     mut outcomes: Outcomes,
     mut sink: impl FnMut(Drained),
 ) {
-    // SAFETY: the ring's fd is owned by `ring`, which the AsyncFd owns for its whole life.
-    let mut fd = match unsafe { AsyncFd::register(ring) } {
-        Ok(fd) => fd,
-        Err(e) => {
-            let (_, e) = e.into_parts();
-            tracing::error!(error = %e, "cannot poll the transition ring; reconnect_storm and failing_upstream are disabled");
-            return;
-        }
-    };
+    use std::os::fd::AsRawFd as _;
     let mut flush_failing = false;
     let mut names = Processes::default();
-    let mut flush_tick = tokio::time::interval(FLUSH_TICK);
-    flush_tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut next_flush = Instant::now() + FLUSH_TICK;
     loop {
-        let flush = tokio::select! {
-            r = fd.readable_mut() => match r {
-                Ok(mut guard) => {
-                    guard.clear_ready();
-                    false
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "transition ring poll failed; reconnect_storm and failing_upstream are disabled");
-                    return;
-                }
-            },
-            _ = flush_tick.tick() => true,
+        let wait = next_flush.saturating_duration_since(Instant::now());
+        let mut pfd = libc::pollfd {
+            fd: ring.as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
         };
-        let flushed = if flush {
+        // SAFETY: one valid pollfd for the ring's fd, owned by `ring` for the whole call.
+        let r = unsafe { libc::poll(&mut pfd, 1, wait.as_millis().min(i32::MAX as u128) as i32) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            tracing::error!(error = %e, "transition ring poll failed; reconnect_storm and failing_upstream are disabled");
+            return;
+        }
+        let flushed = if Instant::now() >= next_flush {
+            // A late flush delays the next one (no burst to catch up).
+            next_flush = Instant::now() + FLUSH_TICK;
             match flusher.flush() {
                 Ok(round) => {
                     flush_failing = false;
@@ -205,7 +202,7 @@ pub async fn read(
         } else {
             None
         };
-        let mut drained = drain(fd.get_mut(), &mut names, &mut outcomes);
+        let mut drained = drain(&mut ring, &mut names, &mut outcomes);
         drained.flushed = flushed;
         sink(drained);
     }
