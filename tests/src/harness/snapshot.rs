@@ -66,7 +66,7 @@ pub struct SocketRow {
     pub uid: u32,
     pub direction: String,
     pub service_port: u16,
-    /// The network namespace's inode (absent from connreaps before issue 17).
+    /// The network namespace's inode (absent from connreaps without namespace support).
     #[serde(default)]
     pub netns: Option<u64>,
     /// Its name under /run/netns or /run/docker/netns, if any.

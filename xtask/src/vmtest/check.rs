@@ -405,7 +405,7 @@ pub fn bpf_iter(log: &GuestLog, has_kfunc: bool) -> Cell {
 /// Below the minimum: `connreap snapshot` refuses with one line naming the kernel, and the
 /// cell says what the refusal left pinned on bpffs and what the verifier said (`-v`).
 ///
-/// The target (issue 19) is a `kernel too old: ...` line that names the missing feature, with
+/// The target is a `kernel too old: ...` line that names the missing feature, with
 /// no pins left. Until the agent says "too old", its current one-line load error ("kernel
 /// refused BPF program ...") passes and the pins are only reported; once it says "too old",
 /// naming the feature and leaving no pins are required.

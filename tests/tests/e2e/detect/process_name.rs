@@ -1,4 +1,4 @@
-//! Issue 18 item 10: active opens are made by threads; a storm is charged to the process and
+//! Active opens are made by threads; a storm is charged to the process and
 //! named by the process's name (its thread-group leader's comm, as `snapshot` shows it), not
 //! by the connecting thread's (a tokio client's `tokio-rt-worker`).
 

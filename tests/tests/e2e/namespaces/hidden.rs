@@ -1,4 +1,4 @@
-//! Issue 26: a network namespace with no process in it and no name, kept alive by sockets a
+//! A network namespace with no process in it and no name, kept alive by sockets a
 //! process in the host's namespace holds (it `setns`-ed in, made a listener and CLOSE_WAIT
 //! sockets, came back; then `ip netns del`), is still scanned: the running daemon keeps its
 //! sockets in `/v1/sockets` and its close_wait_buildup firing under the namespace's inode, a

@@ -1,4 +1,4 @@
-//! Issue 17: one daemon in the host's network namespace covering every namespace and container
+//! One daemon in the host's network namespace covering every namespace and container
 //! on the host. Each test makes its "pods" itself: a network namespace, a cgroup v2 directory
 //! named like a Docker / containerd (Kubernetes) / podman container's, and a real process in
 //! both that listens on the same port as every other pod ([`PORT`]) and never closes the
@@ -238,7 +238,7 @@ fn wait_close_wait_alert_of(
     .unwrap_or_else(|| {
         panic!(
             "no {status} close_wait_buildup alert naming pid {pid} of {who} within {FINDING:?} \
-             (one finding per namespace: issue 17 part (a)); the receiver got:\n{}\n\
+             (one finding per namespace: part (a) of the attribution); the receiver got:\n{}\n\
              current findings: {:#?}\nagent stderr:\n{}",
             describe(&hook.posts()),
             agent.findings(),
@@ -247,8 +247,8 @@ fn wait_close_wait_alert_of(
     })
 }
 
-/// Where issue 17's attribution of findings, alerts and audit lines comes from.
-const ATTRIBUTION: &str = "attribution of findings/alerts/audit lines: issue 17 parts (a)/(b)";
+/// Where the attribution of findings, alerts and audit lines comes from.
+const ATTRIBUTION: &str = "the attribution of findings, alerts and audit lines to namespaces";
 
 /// An alert, finding or audit line names the namespace `inode` (`netns`) and its `name`
 /// (`netns_name`).

@@ -85,7 +85,7 @@ fn policy_scoped_to_one_container() {
         assert_eq!(
             d["container"],
             json!(a.container().id),
-            "audit lines name the container (issue 17 part (b)): {d}"
+            "audit lines name the container (part (b) of the attribution): {d}"
         );
     }
     for d in &lines {

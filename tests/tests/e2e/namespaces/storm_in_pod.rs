@@ -1,4 +1,4 @@
-//! Issue 26: a reconnect storm of short-lived connections from a process in a pod is filed
+//! A reconnect storm of short-lived connections from a process in a pod is filed
 //! under the pod's namespace and container, from the transition events themselves (no socket
 //! of the storm lives long enough for a scan to see it), apart from a host process of the
 //! same name storming to the same port at the same time.

@@ -116,7 +116,7 @@ fn idle_pair_through_a_service_is_a_pair_not_two_ghosts() {
             .collect();
         assert!(
             ghosts.is_empty() && posted.is_empty(),
-            "issue 26: paired connections must not be reported as one-sided ghosts; the \
+            "paired connections must not be reported as one-sided ghosts; the \
              receiver got:\n{}\ncurrent ghost findings: {ghosts:#?}",
             describe(&posted)
         );

@@ -2,12 +2,12 @@
 //! to a server pod; the server pod vanishes without its FIN or RST reaching anyone (its veth
 //! is deleted first, then its processes killed, then its namespace deleted). The client's
 //! connections stay ESTABLISHED, idle, with no other end anywhere: `idle_established_buildup`
-//! on the client, as before issue 26 (the pairing across namespaces must not hide it).
+//! on the client, as on one host (the pairing across namespaces must not hide it).
 //!
 //! With TCP keepalive on (`connect --keepalive`), the kernel will reap them: after the
 //! namespace's `tcp_keepalive_time` idle, then `tcp_keepalive_probes` unanswered probes
 //! `tcp_keepalive_intvl` apart. The client pod's namespace has its own values (600 s, 4 x
-//! 30 s: 720 s) unlike the host's; issue 26 expects the finding to state when the kernel
+//! 30 s: 720 s) unlike the host's; the finding must state when the kernel
 //! will reap them, from that namespace's sysctls: the field `keepalive_reap_secs` (seconds
 //! from the finding's time, about 720 minus their idle time) and the words `reaped by
 //! keepalive in` in its summary. 720 s is later than the alert's own threshold (3 s), so
@@ -146,14 +146,14 @@ fn ghosts_of_a_deleted_pod_stay_ghosts_and_keepalive_says_when_they_go() {
     parts.finish();
 }
 
-/// issue 26: `keepalive_reap_secs` = when the kernel will reap the sockets, from the client
+/// `keepalive_reap_secs` = when the kernel will reap the sockets, from the client
 /// namespace's sysctls (720 s after their last activity), and the summary says it.
 fn assert_reap_time(b: &Value, summary: &str) {
     let (time, intvl, probes) = KEEPALIVE;
     let full = (time + intvl * probes) as f64;
     let reap = b["keepalive_reap_secs"].as_f64().unwrap_or_else(|| {
         panic!(
-            "issue 26 expects `keepalive_reap_secs` (when the kernel will reap them, from the \
+            "expected `keepalive_reap_secs` (when the kernel will reap them, from the \
              namespace's tcp_keepalive_* sysctls: {time} + {probes} x {intvl} s after their \
              last activity): {b:#}"
         )
@@ -165,6 +165,6 @@ fn assert_reap_time(b: &Value, summary: &str) {
     );
     assert!(
         summary.contains("reaped by keepalive in"),
-        "issue 26 expects the summary to say when (`reaped by keepalive in ...`): {summary}"
+        "expected the summary to say when (`reaped by keepalive in ...`): {summary}"
     );
 }

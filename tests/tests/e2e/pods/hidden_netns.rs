@@ -3,7 +3,7 @@
 //! namespace holding them (`connreap-testpeer close-wait --netns-file`). Then the namespace's
 //! name goes (`ip netns del`): no name, no process in it, only sockets a process elsewhere
 //! holds. The leak goes on, so connreap must go on showing it in that namespace: `snapshot`,
-//! `/v1/sockets` and the `close_wait_buildup` finding (issue 26: no namespace is lost while a
+//! `/v1/sockets` and the `close_wait_buildup` finding (no namespace is lost while a
 //! socket in it is alive).
 
 use std::{
@@ -95,7 +95,7 @@ fn sockets_of_a_namespace_with_no_name_and_no_process_are_still_seen() {
     let mine = |f: &Value| {
         f["kind"] == "close_wait_buildup" && f["netns"] == inode && names_pid(f, holder.pid())
     };
-    // While it has a name, the leak is found (what connreap did before issue 26).
+    // While it has a name, the leak is found (what connreap did without namespace support).
     wait_until(FINDING, POLL, || agent.find("close_wait_buildup", mine)).unwrap_or_else(|| {
         panic!(
             "no close_wait_buildup in the named namespace {} (inode {inode}): {:#?}\n{}",
@@ -134,7 +134,7 @@ fn sockets_of_a_namespace_with_no_name_and_no_process_are_still_seen() {
             agent.wait_scans(2);
             let f = agent.find("close_wait_buildup", mine).unwrap_or_else(|| {
                 panic!(
-                    "issue 26: after `ip netns del`, the close_wait_buildup in namespace {inode} \
+                    "after `ip netns del`, the close_wait_buildup in namespace {inode} \
                      (held by pid {}) must go on; findings: {:#?}\n{}",
                     holder.pid(),
                     agent.findings(),
@@ -154,7 +154,7 @@ fn sockets_of_a_namespace_with_no_name_and_no_process_are_still_seen() {
         assert_eq!(
             rows.iter().filter(|r| r["netns"] == inode).count(),
             LEAKED,
-            "issue 26: /v1/sockets must show the {LEAKED} CLOSE_WAIT sockets in namespace \
+            "/v1/sockets must show the {LEAKED} CLOSE_WAIT sockets in namespace \
              {inode}: {body:#}"
         );
     });
@@ -168,7 +168,7 @@ fn sockets_of_a_namespace_with_no_name_and_no_process_are_still_seen() {
         assert_eq!(
             found.len(),
             LEAKED,
-            "issue 26: `connreap snapshot` must show the {LEAKED} CLOSE_WAIT sockets of pid {} \
+            "`connreap snapshot` must show the {LEAKED} CLOSE_WAIT sockets of pid {} \
              in the unnamed namespace {inode}: {snap:#}",
             holder.pid()
         );

@@ -70,7 +70,7 @@ fn idle_pair_through_a_masquerading_service_is_paired_by_conntrack() {
     });
     let pair = pair.unwrap_or_else(|| {
         panic!(
-            "issue 26: the two ends of a masqueraded Service connection are paired by \
+            "the two ends of a masqueraded Service connection are paired by \
              conntrack; findings: {:#?}",
             agent.findings()
         )

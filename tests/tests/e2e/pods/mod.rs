@@ -1,4 +1,4 @@
-//! Issue 26: connections between pods of one node. Each test lays out a node for real
+//! Connections between pods of one node. Each test lays out a node for real
 //! ([`connreap_tests::harness::pods`]): a "node" network namespace with a bridge, pod
 //! namespaces on veth pairs with addresses of their own, Services as iptables DNAT rules in
 //! the node namespace, workloads in cgroups named as Docker / containerd / CRI-O name them.
@@ -7,8 +7,8 @@
 //!
 //! Each test first proves its layout works (requests through the Service answer, the leak is
 //! visible with `ss` inside the pods, the relay's quota is full), so that what fails after
-//! that is connreap's doing. Where connreap's report is checked, the fields issue 26 asks
-//! for are named in the assertion message ("issue 26 expects ...").
+//! that is connreap's doing. Where connreap's report is checked, the expected fields
+//! are named in the assertion message ("expected ...").
 //!
 //! Without a cgroup v2 hierarchy, `iptables` or Node.js, the tests print `skipped: <reason>`.
 
@@ -84,7 +84,7 @@ fn wait_alert(
                 .map(|f| format!("  {} {}: {}", f["kind"], f["fingerprint"], f["summary"]))
                 .collect();
             panic!(
-                "issue 26 expects {what} within {REPORT_WAIT:?}; the receiver got:\n{}\n\
+                "expected {what} within {REPORT_WAIT:?}; the receiver got:\n{}\n\
                  current findings:\n{}",
                 describe(&hook.posts()),
                 findings.join("\n")

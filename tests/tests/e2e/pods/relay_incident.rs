@@ -19,7 +19,7 @@
 //! Each test checks its parts (alert, reclaim, users, audit, fresh request) one after the
 //! other and reports every part that failed.
 //!
-//! issue 26 expects, on the proxy's entry of the alert's `upstream` array: `pid`, `comm`,
+//! Expected, on the proxy's entry of the alert's `upstream` array: `pid`, `comm`,
 //! `netns` (the proxy pod's inode), `container` (its id), `pod_name` / `pod_namespace` (null
 //! for this Docker container), and the counts `orphaned` (upstreams whose downstream user is
 //! gone), `serving` (upstreams serving a connected user) and `ambiguous` (cannot tell; never
@@ -53,7 +53,7 @@ const MIN_IDLE: Duration = Duration::from_secs(4);
 const SETTLE: Duration = Duration::from_millis(3500);
 
 /// Which end of the proxy's connections to the relay the policy selects, as a policy is
-/// written today (no key new in issue 26).
+/// written today (no new key).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Side {
     /// The README's worked relay policy: the proxy's upstreams (`comm = "node"`,
@@ -61,7 +61,7 @@ enum Side {
     Proxy,
     /// The relay's side of them: `comm = "relay-sim"`, `local_port = 25001` (what operators
     /// could write when the proxy was out of reach; oldest first, it took the users who
-    /// stayed on a quiet page first: issue 26, point 4).
+    /// stayed on a quiet page first).
     Relay,
 }
 
@@ -163,7 +163,7 @@ fn relay_incident(chain: &PodChain, quota: RelayQuota, side: Side) {
         });
         assert!(
             freed.is_some(),
-            "issue 26 expects this policy to free the relay's quota, acting where the leak is \
+            "expected this policy to free the relay's quota, acting where the leak is \
              (for the proxy's side: in the proxy's namespace): streams still {:?}\npolicy:\n{}\n{}",
             chain.try_streams(),
             side.policy(),
@@ -175,7 +175,7 @@ fn relay_incident(chain: &PodChain, quota: RelayQuota, side: Side) {
     parts.check("every user still connected keeps its stream", || {
         if let Err(e) = check_all(&staying) {
             panic!(
-                "issue 26: reclaim never takes a connection serving a connected downstream:\n{e}\n{}",
+                "reclaim never takes a connection serving a connected downstream:\n{e}\n{}",
                 agent.ctx()
             );
         }
@@ -317,7 +317,7 @@ fn assert_quota_alert(chain: &PodChain, b: &Value) {
     // The proxy in `processes`, with its container.
     let p = entry(b, "processes", chain.proxy_pid()).unwrap_or_else(|| {
         panic!(
-            "issue 26 expects the proxy (node pid {}) in `processes`: {ctx}",
+            "expected the proxy (node pid {}) in `processes`: {ctx}",
             chain.proxy_pid()
         )
     });
@@ -325,7 +325,7 @@ fn assert_quota_alert(chain: &PodChain, b: &Value) {
     assert_eq!(
         p["container"],
         json!(chain.proxy_pod.container().id),
-        "issue 26 expects the proxy's entry of `processes` to carry its `container`: {ctx}"
+        "expected the proxy's entry of `processes` to carry its `container`: {ctx}"
     );
 
     // The proxy in `upstream`: where it runs, through which relay, and how many of its
@@ -337,12 +337,12 @@ fn assert_quota_alert(chain: &PodChain, b: &Value) {
     assert_eq!(
         u["netns"],
         json!(chain.proxy_pod.inode()),
-        "issue 26 expects `upstream[].netns` = the proxy pod's namespace: {ctx}"
+        "expected `upstream[].netns` = the proxy pod's namespace: {ctx}"
     );
     assert_eq!(
         u["container"],
         json!(chain.proxy_pod.container().id),
-        "issue 26 expects `upstream[].container` = the proxy's container id: {ctx}"
+        "expected `upstream[].container` = the proxy's container id: {ctx}"
     );
     assert!(
         u.get("pod_name").is_none_or(Value::is_null)
@@ -359,9 +359,8 @@ fn assert_quota_alert(chain: &PodChain, b: &Value) {
         "{what}: {ctx}"
     );
     let count = |k: &str| {
-        u[k].as_u64().unwrap_or_else(|| {
-            panic!("issue 26 expects the count `upstream[].{k}` (a number): {ctx}")
-        })
+        u[k].as_u64()
+            .unwrap_or_else(|| panic!("expected the count `upstream[].{k}` (a number): {ctx}"))
     };
     let (orphaned, serving, ambiguous) = (count("orphaned"), count("serving"), count("ambiguous"));
     // The proxy's connections matched to the relay's streams: all 64, but as in the hop test
@@ -384,7 +383,7 @@ fn assert_quota_alert(chain: &PodChain, b: &Value) {
     assert_eq!(
         orphaned + serving + ambiguous,
         matched,
-        "issue 26 expects orphaned + serving + ambiguous = the entry's `count`: {ctx}"
+        "expected orphaned + serving + ambiguous = the entry's `count`: {ctx}"
     );
     assert!(
         serving + ambiguous >= STAYING.len() as u64,
@@ -394,7 +393,7 @@ fn assert_quota_alert(chain: &PodChain, b: &Value) {
     let summary = b["summary"].as_str().unwrap_or_default();
     assert!(
         summary.contains(&format!("{orphaned} orphaned")),
-        "issue 26 expects the summary to say how many are orphaned (`{orphaned} orphaned`): \
+        "expected the summary to say how many are orphaned (`{orphaned} orphaned`): \
          {summary}"
     );
     assert!(summary.ends_with("verdict: leak"), "{summary}");

@@ -1,7 +1,7 @@
 //! A reconnect storm from a pod: a client in a CRI-O container of pod e2e/storm-0 connects and
 //! closes at once, faster and faster, to a server in another pod. Its connections are short
 //! lived (gone before a scan sees them), so connreap knows them only from the state
-//! tracker's transition events; issue 26 expects those to carry their namespace and the
+//! tracker's transition events; those must carry their namespace and the
 //! owner's container, so the `reconnect_storm` finding is filed under the client pod
 //! (`netns` its namespace's inode, `container` its container id, the pod's name from CRI-O's
 //! own state), never under the host's namespace where it would merge with a host process of
@@ -64,7 +64,7 @@ fn reconnect_storm_in_a_pod_is_filed_under_that_pod() {
         assert_in_pod(
             &b,
             &client_pod,
-            "the reconnect_storm alert (issue 26: transition events carry their namespace and \
+            "the reconnect_storm alert (transition events carry their namespace and \
              container)",
         )
     });

@@ -1,4 +1,4 @@
-//! Safety under faults (issue 16), each fault reproduced for real and checked where a user
+//! Safety under faults, each fault reproduced for real and checked where a user
 //! sees it (exit codes and messages, `ss`, the audit log, the API, the log): a full or
 //! read-only filesystem under the audit log (a tmpfs), a flood of hostile API clients, a second
 //! daemon on the host, SIGTERM with a client holding a request open, rounds asked for faster

@@ -1,4 +1,4 @@
-//! The pinned state tracker under faults (issue 16, items 13–15): its pins removed under a running
+//! The pinned state tracker under faults: its pins removed under a running
 //! daemon, foreign objects under the pin root, a pin root that is a mount point, and a load that
 //! fails half-way. Foreign pinned objects are real BPF maps, created and pinned by the test with
 //! the bpf(2) syscall.

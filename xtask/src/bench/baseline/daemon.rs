@@ -6,8 +6,8 @@
 //! a CI machine) and both daemons run there, after measure 3's namespaces are gone, so the host
 //! has one network namespace with sockets in it, as a host without containers has. (Measure 6's
 //! own daemon runs in measure 3's namespace: there the current daemon also walks the bench's
-//! namespace, a walk over the whole shared TCP hash table that a build before issue 17 never
-//! made.)
+//! namespace, a walk over the whole shared TCP hash table that a build without namespace
+//! support never made.)
 //!
 //! Both daemons run with the same config (the scan interval alone, every other setting at its
 //! default), the baseline with its own pin root and API port. CPU is the daemon's user + system

@@ -31,7 +31,7 @@ use super::{
 
 /// The baseline's pin root (on bpffs, next to the default `/sys/fs/bpf/connreap`).
 pub const PIN_ROOT: &str = "/sys/fs/bpf/connreap-baseline";
-/// The current snapshot may take at most this much of the baseline's time (issue 17: the
+/// The current snapshot may take at most this much of the baseline's time (the
 /// single-namespace figures must not get worse by more than 5 %).
 pub const TARGET: f64 = 1.05;
 /// Where `--baseline-commit` checks out the old source (a git worktree, reused).

@@ -1,7 +1,7 @@
 //! Measure 7 against the baseline: the daemon's CPU per scan over the bench's namespaces, the
 //! current and the baseline daemon one at a time in alternated windows (ABBA blocks, as
 //! measure 6), each with the same `netns_walk_interval`. Only for a baseline that knows network
-//! namespaces (issue 17 on): an older one would read its own namespace alone.
+//! namespaces (since namespace support): an older one would read its own namespace alone.
 use std::{process::Command, time::Duration};
 
 use anyhow::Result;
