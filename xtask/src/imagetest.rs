@@ -283,22 +283,7 @@ fn leak_found_in_image(
 }
 
 fn check_metrics(body: &str) -> Result<()> {
-    let mut child = Command::new("promtool")
-        .args(["check", "metrics"])
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .context("start promtool")?;
-    child
-        .stdin
-        .take()
-        .context("promtool stdin")?
-        .write_all(body.as_bytes())?;
-    let out = child.wait_with_output()?;
-    let said =
-        String::from_utf8_lossy(&out.stdout).to_string() + &String::from_utf8_lossy(&out.stderr);
-    if !out.status.success() || !said.trim().is_empty() {
+    if let Err(said) = crate::promtool::check_metrics(body)? {
         bail!("promtool check metrics on the image's /metrics:\n{said}");
     }
     eprintln!("xtask: image: promtool check metrics: clean");
