@@ -49,6 +49,8 @@ pub mod names {
     pub const PROG_ITER_DESTROY: &str = "connreap_iter_destroy";
     pub const STAGING: &str = "CONNREAP_STAGING";
     pub const PROG_FLUSH: &str = "connreap_flush_events";
+    /// aya-log's ring of the programs' log records (the name aya-log-ebpf gives it).
+    pub const LOGS: &str = "AYA_LOGS";
 }
 
 /// The fallback destroy path (`connreap_iter_destroy`): an `iter/tcp` program calling the

@@ -9,13 +9,13 @@
 use core::ffi::c_void;
 
 use aya_ebpf::helpers::generated::{self as gen, bpf_sock_from_file};
-use connreap_ebpf::{HeldElsewhere, KernelOffsets, OwnerRecord, SockRecord, IPPROTO_TCP};
+use connreap_ebpf::{HeldElsewhere, OwnerRecord, SockRecord, IPPROTO_TCP};
 
 use crate::{
     off,
     programs::{
-        addresses, full_sock, inet_stream_sk, owner_record, read, seq_write, sk_field, sock_record,
-        task_file_ctx,
+        addresses, full_sock, inet_stream_sk, offsets_set, owner_record, read, seq_write, sk_field,
+        sock_record, task_file_ctx,
     },
 };
 
@@ -27,10 +27,10 @@ pub fn connreap_iter_netns_socks(ctx: *mut c_void) -> i32 {
 }
 
 fn try_netns_socks(ctx: *mut c_void) -> Result<(), i64> {
-    if off!(valid) != KernelOffsets::MAGIC as u64 {
+    let (meta, task, fd, file) = task_file_ctx(ctx);
+    if !offsets_set("connreap_iter_netns_socks", meta) {
         return Err(-1);
     }
-    let (meta, task, fd, file) = task_file_ctx(ctx);
     if meta == 0 || task == 0 || file.is_null() {
         return Ok(());
     }

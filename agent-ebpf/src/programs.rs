@@ -15,6 +15,7 @@ use aya_ebpf::{
     macros::map,
     maps::{PerCpuArray, RingBuf},
 };
+use aya_log_ebpf::{error, warn};
 use connreap_ebpf::{
     counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, AF_INET,
     AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM,
@@ -51,12 +52,64 @@ pub(crate) fn bump(index: u32) {
     bump_by(index, 1)
 }
 
-#[inline(always)]
+/// Count `n` lost items in counter `index` (every counter counts a loss) and, each time this
+/// CPU's count passes a power of two, say so through aya-log: a first loss is logged at once,
+/// a lasting one ever more rarely. Out of line and called only on the loss paths, so the
+/// tracker's common path carries no logging code.
+#[inline(never)]
 pub(crate) fn bump_by(index: u32, n: u64) {
-    if let Some(slot) = CONNREAP_COUNTERS.get_ptr_mut(index) {
-        // SAFETY: per-CPU slot, no concurrent writer on this CPU.
-        unsafe { *slot += n };
+    let Some(slot) = CONNREAP_COUNTERS.get_ptr_mut(index) else {
+        return;
+    };
+    // SAFETY: per-CPU slot, no concurrent writer on this CPU.
+    let (before, after) = unsafe {
+        let before = *slot;
+        *slot = before + n;
+        (before, before + n)
+    };
+    if before.leading_zeros() == after.leading_zeros() {
+        return;
     }
+    if index == counter::MAP_FULL {
+        warn!(
+            &(),
+            "state table: a socket's set is full, so the socket is not tracked (its age is a lower bound); {} on this CPU so far",
+            after
+        );
+    } else {
+        warn!(
+            &(),
+            "event ring full: transition events dropped (the reader is behind); {} on this CPU so far",
+            after
+        );
+    }
+}
+
+/// Whether the loader wrote the kernel offsets. When it did not, an iterator reads nothing:
+/// said once per pass (on its first element), naming the program.
+#[inline(always)]
+pub(crate) fn offsets_set(program: &str, meta: u64) -> bool {
+    if off!(valid) == KernelOffsets::MAGIC as u64 {
+        return true;
+    }
+    // SAFETY: meta points at struct bpf_iter_meta { seq, session_id, seq_num }.
+    let seq_num = if meta == 0 {
+        0
+    } else {
+        unsafe { *(meta as *const u64).add(2) }
+    };
+    if seq_num == 0 {
+        offsets_unset(program);
+    }
+    false
+}
+
+#[inline(never)]
+fn offsets_unset(program: &str) {
+    error!(
+        &(),
+        "{} reads nothing: the loader did not set the kernel offsets", program
+    );
 }
 
 #[inline(always)]
@@ -199,14 +252,14 @@ fn timewait(sk: u64) -> (u8, u32, u8) {
 }
 
 fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
-    if off!(valid) != KernelOffsets::MAGIC as u64 {
-        return Err(-1);
-    }
     // SAFETY: the iterator context layout is fixed by the kernel's bpf_iter__tcp.
     let (meta, sk, uid) = unsafe {
         let words = ctx as *const u64;
         (*words, *words.add(1), *(words.add(2) as *const u32))
     };
+    if !offsets_set("connreap_iter_tcp", meta) {
+        return Err(-1);
+    }
     if sk == 0 || meta == 0 {
         return Ok(());
     }
@@ -338,10 +391,10 @@ pub fn connreap_iter_task_file(ctx: *mut c_void) -> i32 {
 }
 
 fn try_iter_task_file(ctx: *mut c_void) -> Result<(), i64> {
-    if off!(valid) != KernelOffsets::MAGIC as u64 {
+    let (meta, task, fd, file) = task_file_ctx(ctx);
+    if !offsets_set("connreap_iter_task_file", meta) {
         return Err(-1);
     }
-    let (meta, task, fd, file) = task_file_ctx(ctx);
     if meta == 0 || task == 0 || file.is_null() {
         return Ok(());
     }

@@ -71,13 +71,21 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     // The transition ring: its reader counts active opens for the scan loop's storm detector
     // and the outcomes of outbound connections for its failing-upstream detector.
     let (ring, flusher) = kernel.take_events()?;
+    // The programs' rare-path messages: without them the daemon still runs, and the losses
+    // they report are still counted in connreap_ring_drops_total / _state_map_full_total.
+    let bpf_log = kernel
+        .open_log()
+        .map_err(|e| {
+            tracing::warn!(error = %format!("{:#}", anyhow::Error::new(e)), "the BPF programs' messages will not be logged");
+        })
+        .ok();
     let (opens_tx, opens) = mpsc::unbounded_channel();
     let (attempts_tx, attempts) = mpsc::unbounded_channel();
     let outcomes = kernel::outcome::Outcomes::new(kernel.hz, cfg.detect.failing_short_lifetime);
     let ring_metrics = metrics.clone();
     let tasks = Supervisor::default();
     let reader = move || {
-        kernel::ring::read(ring, flusher, outcomes, move |d| {
+        kernel::ring::read(ring, flusher, outcomes, bpf_log, move |d| {
             ring_metrics.events_read.inc_by(d.events);
             if let Some(f) = d.flushed {
                 ring_metrics.batches_flushed.inc_by(f.sent.into());

@@ -88,6 +88,10 @@ pub enum KernelError {
     FindNetns(super::netns::FindError),
     #[error("BPF map {0} missing from the object")]
     MissingMap(&'static str),
+    #[error("cannot find the pinned program whose log ring to read")]
+    LogProgram(#[source] aya::programs::ProgramError),
+    #[error("cannot read the BPF programs' log ring")]
+    Log(#[source] aya_log::Error),
     #[error("BPF map {name} cannot be used")]
     Map {
         name: &'static str,

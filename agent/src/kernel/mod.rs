@@ -10,6 +10,7 @@
 //! gets a new directory and the stale ones are removed, which detaches the old tracker. Only
 //! what connreap created is ever removed (see `pins`); a load that fails removes the pins it
 //! made; a daemon whose tracker gets unpinned re-attaches it (see `tracker`).
+pub mod bpf_log;
 pub mod destroy;
 mod dump;
 pub mod error;
@@ -300,11 +301,12 @@ impl Kernel {
 }
 
 /// The maps every load of the object shares with the pinned tracker (name, pin file).
-const SHARED_MAPS: [(&str, &str); 4] = [
+const SHARED_MAPS: [(&str, &str); 5] = [
     (names::STATE_MAP, "state"),
     (names::EVENTS, "events"),
     (names::COUNTERS, "counters"),
     (names::STAGING, "staging"),
+    (names::LOGS, "logs"),
 ];
 
 /// Point the loader at the pins of [`SHARED_MAPS`] (created on the first load, reused after).

@@ -26,12 +26,13 @@ const PIN_ROOT_ENV: &str = "CONNREAP_PIN_ROOT";
 
 /// Every pin connreap creates in its object-hash directory: the tracker's link, the maps it
 /// shares, the iterators and the flush program. Nothing else there is ever removed.
-pub(super) const PIN_NAMES: [&str; 9] = [
+pub(super) const PIN_NAMES: [&str; 10] = [
     "link",
     "state",
     "events",
     "counters",
     "staging",
+    "logs",
     "iter_tcp",
     "iter_task_file",
     "iter_netns_socks",

@@ -13,6 +13,7 @@ use connreap_ebpf::tcp_state;
 use rustc_hash::FxHashMap;
 
 use super::{
+    bpf_log::BpfLog,
     events::{self, FlushRound, Flusher},
     outcome::{Attempts, Outcomes, RawTarget, Tally},
     procfs,
@@ -156,10 +157,13 @@ const FLUSH_TICK: Duration = Duration::from_millis(500);
 /// metrics); the rest of the daemon goes on without it. Blocking (poll(2) on the ring, the
 /// flush's BPF_PROG_TEST_RUN on every CPU, /proc reads): run it on a thread of its own, never
 /// on the async runtime.
+///
+/// `log`, the BPF programs' log ring, is read on the same thread: its records are rare.
 pub fn read(
     mut ring: RingBuf<MapData>,
     flusher: Flusher,
     mut outcomes: Outcomes,
+    mut log: Option<BpfLog>,
     mut sink: impl FnMut(Drained),
 ) {
     use std::os::fd::AsRawFd as _;
@@ -168,13 +172,24 @@ pub fn read(
     let mut next_flush = Instant::now() + FLUSH_TICK;
     loop {
         let wait = next_flush.saturating_duration_since(Instant::now());
-        let mut pfd = libc::pollfd {
-            fd: ring.as_raw_fd(),
+        let pfd = |fd| libc::pollfd {
+            fd,
             events: libc::POLLIN,
             revents: 0,
         };
-        // SAFETY: one valid pollfd for the ring's fd, owned by `ring` for the whole call.
-        let r = unsafe { libc::poll(&mut pfd, 1, wait.as_millis().min(i32::MAX as u128) as i32) };
+        // With no log ring, the second entry's negative fd is ignored by poll(2).
+        let mut pfds = [
+            pfd(ring.as_raw_fd()),
+            pfd(log.as_ref().map_or(-1, BpfLog::raw_fd)),
+        ];
+        // SAFETY: two valid pollfds for fds owned by `ring` and `log` for the whole call.
+        let r = unsafe {
+            libc::poll(
+                pfds.as_mut_ptr(),
+                pfds.len() as libc::nfds_t,
+                wait.as_millis().min(i32::MAX as u128) as i32,
+            )
+        };
         if r < 0 {
             let e = std::io::Error::last_os_error();
             if e.kind() == std::io::ErrorKind::Interrupted {
@@ -202,6 +217,11 @@ pub fn read(
         } else {
             None
         };
+        if pfds[1].revents != 0 {
+            if let Some(log) = log.as_mut() {
+                log.drain();
+            }
+        }
         let mut drained = drain(&mut ring, &mut names, &mut outcomes);
         drained.flushed = flushed;
         sink(drained);

@@ -7,7 +7,7 @@ use std::{
 
 use connreap_tests::harness::{
     alerts::{describe, is, names_pid, receiver},
-    require_privileges, Agent, Config, NetNs, TempDir,
+    require_privileges, run, wait_until, Agent, Config, NetNs, TempDir, CONNREAP_TIMEOUT,
 };
 
 /// The tracker sends transitions to the ring in per-CPU batches; a process that opens only a
@@ -69,4 +69,62 @@ fn a_few_transitions_reach_the_daemon_without_waiting_for_a_full_batch() {
         "{misses} missing from /metrics"
     );
     agent.assert_healthy();
+}
+
+/// The BPF programs' rare paths are logged through aya-log into the daemon's own log. With a
+/// pin root of its own (a fresh tracker, counters at 0), `snapshot` attaches the tracker and
+/// leaves it pinned with no reader; loopback churn then overflows the 4 MiB event ring. The
+/// daemon started afterwards reads the programs' log ring: its stderr names the loss (target
+/// `connreap::bpf`), and the drops are in `connreap_bpf_ring_drops_total`.
+#[test]
+fn a_ring_overflow_with_no_reader_reaches_the_daemons_log_through_aya_log() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    const ROOT: &str = "/sys/fs/bpf/connreap-test-bpflog";
+    let ns = NetNs::new("bpflog");
+    let dir = TempDir::new("bpflog");
+    let _ = std::fs::remove_dir_all(ROOT);
+    let cli = |args: &[&str]| {
+        let mut cmd = ns.connreap(args);
+        cmd.env("CONNREAP_PIN_ROOT", ROOT);
+        run(&mut cmd, CONNREAP_TIMEOUT)
+    };
+    let out = cli(&["snapshot", "--json"]);
+    assert!(out.status.success(), "snapshot failed: {out:?}");
+
+    // Each connect-and-reset sends several transitions (~64 bytes each) into the ring; 20k
+    // of them are well over 4 MiB. The reset (SO_LINGER 0) leaves no TIME_WAIT behind, so the
+    // ephemeral ports never run out.
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap();
+    for _ in 0..20_000 {
+        let c = TcpStream::connect(addr).unwrap();
+        let (s, _) = listener.accept().unwrap();
+        socket2::SockRef::from(&c)
+            .set_linger(Some(Duration::ZERO))
+            .unwrap();
+        drop(c);
+        drop(s);
+    }
+
+    let config = Config::alerting(&dir);
+    let agent = Agent::start_with(&ns, &dir, &config, |cmd| {
+        cmd.env("CONNREAP_PIN_ROOT", ROOT);
+    });
+    let logged = wait_until(Duration::from_secs(10), Duration::from_millis(200), || {
+        let err = agent.stderr();
+        err.lines()
+            .any(|l| l.contains("connreap::bpf") && l.contains("event ring full"))
+            .then_some(())
+    });
+    let drops = agent.metric("connreap_bpf_ring_drops_total").unwrap_or(0.0);
+    drop(agent);
+    let unpinned = cli(&["unpin"]);
+    assert!(
+        logged.is_some(),
+        "the daemon's log never said the event ring was full (connreap_bpf_ring_drops_total = {drops})"
+    );
+    assert!(drops > 0.0, "connreap_bpf_ring_drops_total = {drops}");
+    assert!(unpinned.status.success(), "unpin failed: {unpinned:?}");
 }
