@@ -122,9 +122,13 @@ pub struct Update {
 
 /// A change worth telling receivers about, and whether it waits for `renotify`.
 fn material_change(sent: &Finding, now: &Finding) -> Option<(String, bool)> {
-    if sent.verdict != now.verdict {
+    if sent.verdict() != now.verdict() {
         let name = |v: Option<crate::detect::Verdict>| v.map_or("none", |v| v.as_str());
-        let text = format!("verdict {} -> {}", name(sent.verdict), name(now.verdict));
+        let text = format!(
+            "verdict {} -> {}",
+            name(sent.verdict()),
+            name(now.verdict())
+        );
         return Some((text, false));
     }
     // Grew by half or more (so 8 -> 12, 59 -> 89): the scale of the problem changed.
@@ -213,7 +217,7 @@ impl Tracker {
                     let started_at = self.inherited.remove(v.key()).unwrap_or(wall);
                     let f = &alert.finding;
                     let l = LogFields::of(f);
-                    tracing::info!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, %started_at,
+                    tracing::info!(kind = f.kind().as_str(), fingerprint = %f.fingerprint, %started_at,
                         pid = l.pid, comm = l.comm, port = f.service_port, netns = %l.netns,
                         container = l.container, pod = l.pod.as_deref(), count = f.count,
                         "still firing since before the restart");
@@ -231,7 +235,7 @@ impl Tracker {
                 Entry::Vacant(v) => {
                     let f = &alert.finding;
                     let l = LogFields::of(f);
-                    tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint,
+                    tracing::warn!(kind = f.kind().as_str(), fingerprint = %f.fingerprint,
                         pid = l.pid, comm = l.comm, port = f.service_port, netns = %l.netns,
                         container = l.container, pod = l.pod.as_deref(), count = f.count,
                         "firing: {}", f.summary);
@@ -269,7 +273,7 @@ impl Tracker {
             if let Some(a) = self.active.remove(&key) {
                 let mut finding = a.last;
                 let l = LogFields::of(&finding);
-                tracing::info!(kind = finding.kind.as_str(), fingerprint = %key,
+                tracing::info!(kind = finding.kind().as_str(), fingerprint = %key,
                     pid = l.pid, comm = l.comm, port = finding.service_port, netns = %l.netns,
                     container = l.container, pod = l.pod.as_deref(), "resolved");
                 let held = crate::present::human(now.duration_since(a.started));
@@ -308,7 +312,7 @@ impl Tracker {
         if let Some((text, _)) = &change {
             let f = &alert.finding;
             let l = LogFields::of(f);
-            tracing::warn!(kind = f.kind.as_str(), fingerprint = %f.fingerprint, change = %text,
+            tracing::warn!(kind = f.kind().as_str(), fingerprint = %f.fingerprint, change = %text,
                 pid = l.pid, comm = l.comm, port = f.service_port, netns = %l.netns,
                 container = l.container, pod = l.pod.as_deref(), count = f.count,
                 "changed: {}", f.summary);
@@ -437,15 +441,16 @@ mod tests {
         let mut t = Tracker::new("h1".into(), cadence(7200));
         let t0 = Instant::now();
         let w0 = Utc::now();
-        let mut f = finding("q", 64);
-        f.verdict = Some(Verdict::Load);
+        let mut f = crate::detect::testutil_finding(Kind::QuotaExhaustedByLeak, "q");
+        f.count = 64;
+        f.set_verdict(Verdict::Load);
         assert_eq!(t.update(vec![f.clone()], t0, w0).notify.len(), 1);
         assert!(t.update(vec![f.clone()], t0, w0).notify.is_empty());
-        f.verdict = Some(Verdict::Leak);
+        f.set_verdict(Verdict::Leak);
         let u = t.update(vec![f.clone()], t0 + Duration::from_secs(3), w0);
         assert_eq!(u.notify.len(), 1);
         assert!(matches!(u.notify[0], Notification::Updated(_)));
-        assert_eq!(alert(&u.notify[0]).finding.verdict, Some(Verdict::Leak));
+        assert_eq!(alert(&u.notify[0]).finding.verdict(), Some(Verdict::Leak));
         assert_eq!(alert(&u.notify[0]).started_at, w0, "same alert, same start");
         assert!(t
             .update(vec![f], t0 + Duration::from_secs(4), w0)

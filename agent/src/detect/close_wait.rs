@@ -1,7 +1,7 @@
 //! close_wait_buildup: a process that never closes sockets its peers closed.
 use std::collections::{BTreeMap, BTreeSet};
 
-use super::{describe_owners, oldest_briefs, owner_identity, processes, scope, Finding, Kind};
+use super::{describe_owners, oldest_briefs, owner_identity, processes, scope, Detail, Finding};
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
@@ -47,8 +47,11 @@ pub fn detect(
             format!("{} peers on port {port}", peers.len())
         };
         let owners = processes(socks.iter().copied());
+        let growth = socks.len() as i64 - prev_counts.get(&scoped_key).copied().unwrap_or(0) as i64;
         let mut f = Finding::new(
-            Kind::CloseWaitBuildup,
+            Detail::CloseWaitBuildup {
+                growth: Some(growth),
+            },
             &key,
             format!(
                 "{} holds {} CLOSE_WAIT socket{} to {} (service port {port}), oldest {}{}: the peer closed and this process never did",
@@ -66,8 +69,6 @@ pub fn detect(
         f.oldest_age_secs = round_secs(oldest);
         f.processes = owners;
         f.sockets = oldest_briefs(socks.iter().copied());
-        f.growth =
-            Some(socks.len() as i64 - prev_counts.get(&scoped_key).copied().unwrap_or(0) as i64);
         out.push(f);
     }
     *prev_counts = counts;
@@ -105,7 +106,8 @@ mod tests {
         let f = detect(&cw(7, 20, 100), &cfg, &mut prev);
         assert_eq!(f.len(), 1);
         let f = &f[0];
-        assert_eq!((f.count, f.service_port, f.growth), (20, Some(80), Some(5)));
+        assert_eq!((f.count, f.service_port), (20, Some(80)));
+        assert_eq!(f.detail, Detail::CloseWaitBuildup { growth: Some(5) });
         assert_eq!(f.processes[0].pid, Some(7));
         assert_eq!(f.sockets.len(), 20);
         assert_eq!(f.oldest_age_secs, 119.0);
@@ -180,7 +182,9 @@ mod tests {
             f[0].summary
         );
         // Growth is per namespace too.
-        assert_eq!((f[0].growth, f[1].growth), (Some(20), Some(20)));
+        for f in &f[..2] {
+            assert_eq!(f.detail, Detail::CloseWaitBuildup { growth: Some(20) });
+        }
         let json = serde_json::to_value(&f[0]).expect("serializes");
         assert_eq!(json["netns"], 4026532001u32);
         assert_eq!(json["netns_name"], "cni-a");

@@ -18,7 +18,7 @@ use std::{
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use super::{identity, Finding, Kind, ProcessCount};
+use super::{identity, Detail, Finding, ProcessCount};
 use crate::{
     config::DetectConfig,
     containers::Container,
@@ -46,7 +46,7 @@ pub struct EndpointCount {
 }
 
 /// What the finding is about, beyond the common fields.
-#[derive(Debug, Clone, PartialEq, Serialize)]
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct FailingUpstream {
     /// The failing remote endpoint.
     pub endpoint: String,
@@ -287,8 +287,23 @@ impl FailTracker {
         };
         let netns = self.netns_of(t.netns);
         let container = self.containers.get(&t.pid).cloned();
+        let failing = FailingUpstream {
+            endpoint: t.remote.to_string(),
+            attempts: a.total(),
+            failures: a.failures(),
+            kinds,
+            window_secs: span.as_secs_f64().round(),
+            retry_interval_secs: retry,
+            max_life_ms,
+            verdict,
+            alternatives,
+        };
+        let detail = Detail::FailingUpstream {
+            rate_per_sec: (a.failures() as f64 / span.as_secs_f64() * 100.0).round() / 100.0,
+            failing,
+        };
         let mut f = Finding::new(
-            Kind::FailingUpstream,
+            detail,
             &format!(
                 "{}:{}",
                 identity(&t.comm, None, container.as_deref()),
@@ -308,7 +323,6 @@ impl FailTracker {
         .scoped(&netns, container.as_deref());
         f.service_port = Some(port);
         f.count = a.failures() as usize;
-        f.rate_per_sec = Some((a.failures() as f64 / span.as_secs_f64() * 100.0).round() / 100.0);
         let c = container.as_deref();
         f.processes = vec![ProcessCount {
             pid: Some(t.pid),
@@ -321,17 +335,6 @@ impl FailTracker {
             pod_namespace: c.and_then(|c| c.pod_namespace.clone()),
             netns: t.netns,
         }];
-        f.failing = Some(FailingUpstream {
-            endpoint: t.remote.to_string(),
-            attempts: a.total(),
-            failures: a.failures(),
-            kinds,
-            window_secs: span.as_secs_f64().round(),
-            retry_interval_secs: retry,
-            max_life_ms,
-            verdict,
-            alternatives,
-        });
         f
     }
 

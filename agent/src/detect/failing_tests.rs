@@ -1,6 +1,7 @@
 use std::time::{Duration, Instant};
 
 use super::*;
+use crate::kind::Kind;
 
 const GATEWAY: u32 = 812;
 
@@ -69,11 +70,11 @@ fn retries_that_keep_hitting_one_dead_upstream_are_named() {
     let f = t.findings(&cfg);
     assert_eq!(f.len(), 1, "{f:#?}");
     let f = &f[0];
-    assert_eq!(f.kind, Kind::FailingUpstream);
+    assert_eq!(f.kind(), Kind::FailingUpstream);
     assert_eq!(f.fingerprint, "failing_upstream:node:10.0.0.3:8080");
     assert_eq!((f.count, f.service_port), (40, Some(8080)));
     assert_eq!(f.processes[0].pid, Some(GATEWAY));
-    let u = f.failing.as_ref().expect("failing detail");
+    let u = f.failing().expect("failing detail");
     assert_eq!(u.endpoint, "10.0.0.3:8080");
     assert_eq!((u.attempts, u.failures), (40, 40));
     assert_eq!(u.kinds, BTreeMap::from([("reset", 40)]));
@@ -114,7 +115,7 @@ fn when_no_endpoint_succeeds_it_is_an_outage() {
     }
     let f = t.findings(&cfg);
     assert_eq!(f.len(), 2, "both endpoints fail: {f:#?}");
-    let u = f[0].failing.as_ref().unwrap();
+    let u = f[0].failing().unwrap();
     assert_eq!(
         (u.endpoint.as_str(), u.verdict),
         ("10.0.0.3:5432", "outage")
@@ -128,7 +129,7 @@ fn when_no_endpoint_succeeds_it_is_an_outage() {
         f[0].summary
     );
     assert_eq!(
-        f[1].failing.as_ref().unwrap().kinds,
+        f[1].failing().unwrap().kinds,
         BTreeMap::from([("timeout", 10)])
     );
 }
@@ -257,7 +258,7 @@ fn targets_per_window_are_bounded_but_failures_kept() {
     t.close_window(Instant::now(), Duration::from_secs(5), &cfg);
     let f = t.findings(&cfg);
     assert_eq!(f.len(), 1);
-    let u = f[0].failing.as_ref().unwrap();
+    let u = f[0].failing().unwrap();
     assert_eq!(u.endpoint, "192.0.2.1:443");
     // The alternatives are listed up to MAX_ALTERNATIVES; the summary says how many more.
     assert_eq!(u.alternatives.len(), MAX_ALTERNATIVES);
@@ -296,12 +297,7 @@ fn an_alternative_that_mostly_fails_is_not_healthy() {
     let f = t.findings(&cfg);
     assert_eq!(f.len(), 2);
     for f in &f {
-        assert_eq!(
-            f.failing.as_ref().unwrap().verdict,
-            "outage",
-            "{}",
-            f.summary
-        );
+        assert_eq!(f.failing().unwrap().verdict, "outage", "{}", f.summary);
     }
     assert!(
         f[0].summary

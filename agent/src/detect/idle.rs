@@ -7,7 +7,10 @@ use std::{collections::BTreeMap, net::IpAddr, time::Duration};
 
 use serde::Serialize;
 
-use super::{describe_owners, oldest_briefs, owner_identity, processes, Finding, Kind, Relations};
+use super::{
+    describe_owners, oldest_briefs, owner_identity, processes, Detail, Finding, IdleDetail,
+    Relations,
+};
 use crate::{
     config::DetectConfig,
     present::{human, round_secs},
@@ -136,7 +139,11 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
     // Identity without the pid (see `owner_identity`): a restarted service keeps its alert.
     let key = format!("{}:{port}", owner_identity(socks[0]));
     let mut f = Finding::new(
-        Kind::IdleEstablishedBuildup,
+        Detail::IdleEstablishedBuildup(IdleDetail {
+            keepalive: keepalive_on == n,
+            keepalive_reap_secs: reap_in.map(round_secs),
+            peers: top,
+        }),
         &key,
         format!(
             "{} holds {n} idle ESTABLISHED socket{} {side} port {port} with no local other end: idle ≥ {}, queues empty, oldest {}{}; {keepalive_text}; peers {}",
@@ -154,9 +161,6 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
     f.oldest_age_secs = round_secs(oldest);
     f.processes = owners;
     f.sockets = oldest_briefs(socks.iter().copied());
-    f.keepalive = Some(keepalive_on == n);
-    f.keepalive_reap_secs = reap_in.map(round_secs);
-    f.peers = top;
     f
 }
 
@@ -166,6 +170,7 @@ mod tests {
 
     use super::*;
     use crate::detect::testutil::sock;
+    use crate::kind::Kind;
 
     fn det(t: &[Socket], cfg: &DetectConfig) -> Vec<Finding> {
         detect(&Relations::new(t), cfg)
@@ -200,14 +205,26 @@ mod tests {
         let f = det(&t, &cfg);
         assert_eq!(f.len(), 1);
         let f = &f[0];
-        assert_eq!(f.kind, Kind::IdleEstablishedBuildup);
+        assert_eq!(f.kind(), Kind::IdleEstablishedBuildup);
         assert_eq!((f.count, f.service_port), (64, Some(8080)));
-        assert_eq!(f.keepalive, Some(false));
+        assert_eq!(f.idle().map(|d| d.keepalive), Some(false));
         assert_eq!(f.processes[0].pid, Some(7));
         assert_eq!(f.oldest_age_secs, 763.0);
-        let addrs: Vec<String> = f.peers.iter().map(|p| p.addr.to_string()).collect();
+        let addrs: Vec<String> = f
+            .idle()
+            .map_or(&[][..], |d| &d.peers)
+            .iter()
+            .map(|p| p.addr.to_string())
+            .collect();
         assert_eq!(addrs, ["10.0.0.10", "10.0.0.11", "10.0.0.12"]);
-        assert_eq!(f.peers.iter().map(|p| p.count).sum::<usize>(), 64);
+        assert_eq!(
+            f.idle()
+                .map_or(&[][..], |d| &d.peers)
+                .iter()
+                .map(|p| p.count)
+                .sum::<usize>(),
+            64
+        );
         assert!(
             f.summary.starts_with(
                 "server pid 7 holds 64 idle ESTABLISHED sockets accepted on port 8080 with no local other end: idle ≥ 11m40s, queues empty, oldest 12m43s; TCP keepalive off"
@@ -231,9 +248,9 @@ mod tests {
             s.keepalive = true;
         }
         let f = &det(&t, &cfg)[0];
-        assert_eq!(f.keepalive, Some(true));
+        assert_eq!(f.idle().map(|d| d.keepalive), Some(true));
         // Idle 700 s of Linux's default 7875 s (2h + 9 × 75s).
-        assert_eq!(f.keepalive_reap_secs, Some(7175.0));
+        assert_eq!(f.idle().and_then(|d| d.keepalive_reap_secs), Some(7175.0));
         assert!(
             f.summary.contains("; TCP keepalive on: reaped by keepalive in ≤ 1h59m if the peer is gone (tcp_keepalive_time 7200s + 9 × 75s);"),
             "{}",
@@ -253,7 +270,7 @@ mod tests {
             s.netns = short.clone();
         }
         let f = &det(&alive, &cfg)[0];
-        assert_eq!(f.keepalive_reap_secs, Some(0.0));
+        assert_eq!(f.idle().and_then(|d| d.keepalive_reap_secs), Some(0.0));
         assert!(
             f.summary.contains("the peers answer keepalive probes, so they are alive (idle connections, not ghosts)"),
             "{}",
@@ -261,7 +278,7 @@ mod tests {
         );
         t[0].keepalive = false;
         let f = &det(&t, &cfg)[0];
-        assert_eq!(f.keepalive, Some(false));
+        assert_eq!(f.idle().map(|d| d.keepalive), Some(false));
         assert!(
             f.summary
                 .contains("TCP keepalive on for 63 of 64: reaped by keepalive in"),
@@ -383,7 +400,7 @@ mod tests {
         t.extend(other);
         let f = det(&t, &cfg);
         assert_eq!(f.len(), 1, "pid 8 holds 3 < 4");
-        assert_eq!(f[0].peers.len(), MAX_PEERS);
+        assert_eq!(f[0].idle().map_or(&[][..], |d| &d.peers).len(), MAX_PEERS);
         assert!(f[0].summary.ends_with(", 5 more"), "{}", f[0].summary);
         // Outbound: the service port is the peer's.
         let out: Vec<Socket> = (0..4)

@@ -2,7 +2,7 @@
 use std::collections::BTreeMap;
 
 use super::{
-    describe_owners, ends::PairedBy, oldest_briefs, owner_identity, Finding, Kind, ProcessCount,
+    describe_owners, ends::PairedBy, oldest_briefs, owner_identity, Detail, Finding, ProcessCount,
     Relations,
 };
 use crate::{
@@ -106,7 +106,7 @@ pub fn detect<'a>(rel: &Relations<'a>, cfg: &DetectConfig) -> Vec<Finding> {
             ));
         }
         let mut f = if c.netns.inode == s.netns.inode {
-            Finding::new(Kind::StuckEstablishedPairs, &key, text).scoped(&c.netns, s.container())
+            Finding::new(Detail::StuckEstablishedPairs, &key, text).scoped(&c.netns, s.container())
         } else {
             // Two pods: both namespaces are part of its identity; the summary names each
             // side's place, the fields the server's.
@@ -115,7 +115,7 @@ pub fn detect<'a>(rel: &Relations<'a>, cfg: &DetectConfig) -> Vec<Finding> {
                 super::scope::ns_part(&c.netns),
                 super::scope::ns_part(&s.netns)
             );
-            let mut f = Finding::new(Kind::StuckEstablishedPairs, &key, text);
+            let mut f = Finding::new(Detail::StuckEstablishedPairs, &key, text);
             f.place(&s.netns, s.container());
             f
         };

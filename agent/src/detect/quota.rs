@@ -6,7 +6,8 @@ use rustc_hash::FxHashMap;
 use super::{
     describe_owners, oldest_briefs, processes,
     upstream::{self, Upstream},
-    Finding, Freed, Input, Kind, OrphanCounts, QuotaRef, Relations, Verdict, MAX_SOCKETS,
+    Detail, Finding, Freed, Input, OrphanCounts, QuotaDetail, QuotaRef, Relations, Verdict,
+    MAX_SOCKETS,
 };
 use crate::{
     config::QuotaConfig,
@@ -137,11 +138,15 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
                 conns.is_empty(),
             ));
             let mut f = Finding::new(
-                Kind::QuotaExhaustedByLeak,
+                Detail::QuotaExhaustedByLeak(QuotaDetail {
+                    verdict,
+                    verdict_known_in_secs: known_in.map(round_secs),
+                    upstream: feeders,
+                    orphans,
+                }),
                 &format!("{}:{}{}", status.name, entry.port, scope.fingerprint_part()),
                 summary,
             );
-            f.orphans = orphans;
             f.service_port = Some(entry.port);
             f.count = conns.len();
             f.oldest_age_secs = round_secs(oldest);
@@ -173,9 +178,6 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
             if let Some(s) = conns.first() {
                 f.place(&s.netns, s.container());
             }
-            f.upstream = feeders;
-            f.verdict = Some(verdict);
-            f.verdict_known_in_secs = known_in.map(round_secs);
             out.push(f);
         }
     }
@@ -356,13 +358,13 @@ pub fn unavailable(quotas: &[QuotaStatus]) -> Vec<Finding> {
         .iter()
         .filter_map(|q| {
             let reason = q.error.as_ref()?;
-            let mut f = Finding::new(
-                Kind::QuotaSourceUnavailable,
+            Some(Finding::new(
+                Detail::QuotaSourceUnavailable {
+                    reason: reason.clone(),
+                },
                 &q.name,
                 format!("quota source {} unavailable: {reason}", q.name),
-            );
-            f.reason = Some(reason.clone());
-            Some(f)
+            ))
         })
         .collect()
 }
@@ -372,6 +374,7 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+    use crate::kind::Kind;
     use crate::{
         config::{parse, DetectConfig},
         detect::{testutil::sock, StormTracker},
@@ -461,7 +464,7 @@ limit = 4
         };
         let f = run_freed(&[], 64, 64, &cfgs(), &vec![kill; 8]);
         assert_eq!(f.len(), 1);
-        assert_eq!(f[0].verdict, Some(Verdict::Reclaimed), "{}", f[0].summary);
+        assert_eq!(f[0].verdict(), Some(Verdict::Reclaimed), "{}", f[0].summary);
         assert!(
             f[0].summary.contains("8 connections freed by reclaim (policy relay-leaks) since this reading, which still counts them; verdict: reclaimed"),
             "{}", f[0].summary
@@ -483,7 +486,7 @@ limit = 4
         let f = run(&t, 64, 64, &cfgs());
         assert_eq!(f.len(), 1);
         let f = &f[0];
-        assert_eq!(f.verdict, Some(Verdict::Leak));
+        assert_eq!(f.verdict(), Some(Verdict::Leak));
         assert_eq!(
             f.quota,
             Some(QuotaRef {
@@ -510,8 +513,11 @@ limit = 4
             s.age = Duration::from_secs(20);
         }
         let f = &run(&t, 64, 64, &cfgs())[0];
-        assert_eq!(f.verdict, Some(Verdict::Pending));
-        assert_eq!(f.verdict_known_in_secs, Some(40.0));
+        assert_eq!(f.verdict(), Some(Verdict::Pending));
+        assert_eq!(
+            f.quota_detail().and_then(|q| q.verdict_known_in_secs),
+            Some(40.0)
+        );
         assert!(
             f.summary.ends_with(
                 "verdict: pending (connections younger than quota_idle_min 1m00s; known in ≤ 40s)"
@@ -528,13 +534,13 @@ limit = 4
         for s in &mut t {
             s.age = Duration::from_secs(61);
         }
-        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict, Some(Verdict::Load));
+        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict(), Some(Verdict::Load));
     }
 
     #[test]
     fn busy_connections_read_as_load_and_unsaturated_is_silent() {
         let t = relay_table(64, 2);
-        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict, Some(Verdict::Load));
+        assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict(), Some(Verdict::Load));
         assert!(run(&t, 50, 64, &cfgs()).is_empty());
     }
 
@@ -576,7 +582,7 @@ limit = 4
             },
             &Relations::new(&t),
         );
-        assert_eq!(f[0].verdict, Some(Verdict::Leak));
+        assert_eq!(f[0].verdict(), Some(Verdict::Leak));
         assert!(
             f[0].summary
                 .contains("4 of 4 connections idle or CLOSE_WAIT"),
@@ -708,7 +714,12 @@ limit = 4
             error: Some("answered HTTP 500".into()),
         };
         let f = unavailable(&[q]);
-        assert_eq!(f[0].kind, Kind::QuotaSourceUnavailable);
-        assert_eq!(f[0].reason.as_deref(), Some("answered HTTP 500"));
+        assert_eq!(f[0].kind(), Kind::QuotaSourceUnavailable);
+        assert_eq!(
+            f[0].detail,
+            Detail::QuotaSourceUnavailable {
+                reason: "answered HTTP 500".into()
+            }
+        );
     }
 }

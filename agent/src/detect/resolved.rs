@@ -2,7 +2,7 @@
 //! firing text.
 use chrono::{DateTime, Utc};
 
-use super::{Finding, Freed, Kind};
+use super::{Detail, Finding, Freed};
 use crate::{config::DetectConfig, present::human, quota::QuotaStatus};
 
 /// The state of things when `f` cleared: the quota's reading now for a quota finding, else
@@ -17,8 +17,8 @@ pub fn resolution(
     freed: &[Freed],
 ) -> Option<String> {
     let last = format!("last seen: count {}", f.count);
-    Some(match f.kind {
-        Kind::QuotaExhaustedByLeak => {
+    Some(match &f.detail {
+        Detail::QuotaExhaustedByLeak(_) => {
             let q = f.quota.as_ref()?;
             let status = quotas.iter().find(|s| s.name == q.name)?;
             let by_reclaim: Vec<&Freed> = freed
@@ -52,31 +52,30 @@ pub fn resolution(
                 ),
             }
         }
-        Kind::CloseWaitBuildup => format!(
+        Detail::CloseWaitBuildup { .. } => format!(
             "fewer than close_wait_threshold {} CLOSE_WAIT sockets older than {} ({last})",
             cfg.close_wait_threshold,
             human(cfg.close_wait_min_age)
         ),
-        Kind::StuckEstablishedPairs => format!(
+        Detail::StuckEstablishedPairs => format!(
             "fewer than stuck_pair_threshold {} pairs idle ≥ {} ({last})",
             cfg.stuck_pair_threshold,
             human(cfg.stuck_pair_min_idle)
         ),
-        Kind::IdleEstablishedBuildup => format!(
+        Detail::IdleEstablishedBuildup(_) => format!(
             "fewer than idle_established_threshold {} one-sided sockets idle ≥ {} ({last})",
             cfg.idle_established_threshold,
             human(cfg.idle_established_min_idle)
         ),
-        Kind::ReconnectStorm => format!(
-            "new connections below storm_rate {}/s (last seen: {}/s)",
+        Detail::ReconnectStorm { rate_per_sec } => format!(
+            "new connections below storm_rate {}/s (last seen: {rate_per_sec}/s)",
             cfg.storm_rate,
-            f.rate_per_sec.unwrap_or_default()
         ),
-        Kind::QuotaSourceUnavailable => "the quota source answers again".to_string(),
-        Kind::FailingUpstream => format!(
+        Detail::QuotaSourceUnavailable { .. } => "the quota source answers again".to_string(),
+        Detail::FailingUpstream { failing, .. } => format!(
             "fewer than failing_min_failures {} failed connections to {}, or below failing_share {} of the attempts, in the last {} ({last})",
             cfg.failing_min_failures,
-            f.failing.as_ref().map_or("the endpoint", |u| u.endpoint.as_str()),
+            failing.endpoint,
             cfg.failing_share,
             human(cfg.failing_window)
         ),
@@ -86,7 +85,7 @@ pub fn resolution(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{detect::QuotaRef, quota::QuotaEntry};
+    use crate::{detect::QuotaRef, kind::Kind, quota::QuotaEntry};
 
     #[test]
     fn a_quota_resolves_with_its_reading_now() {

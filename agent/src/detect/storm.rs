@@ -17,7 +17,7 @@ use std::{
 
 use rustc_hash::FxHashMap;
 
-use super::{identity, Finding, Kind, ProcessCount};
+use super::{identity, Detail, Finding, ProcessCount};
 use crate::{
     config::DetectConfig,
     containers::Container,
@@ -219,7 +219,9 @@ impl StormTracker {
                 let place = self.place_of(key);
                 let container = place.container.as_deref();
                 let mut f = Finding::new(
-                    Kind::ReconnectStorm,
+                    Detail::ReconnectStorm {
+                        rate_per_sec: (rate * 10.0).round() / 10.0,
+                    },
                     &format!("{}:{}", identity(&key.comm, None, container), key.port),
                     format!(
                         "{} pid {} opens {rate:.0} new connections/s to port {} (threshold {:.0}/s; last windows {}/s){threads}",
@@ -229,7 +231,6 @@ impl StormTracker {
                 .scoped(&place.netns, container);
                 f.service_port = Some(key.port);
                 f.count = rate.round() as usize;
-                f.rate_per_sec = Some((rate * 10.0).round() / 10.0);
                 f.processes = vec![ProcessCount {
                     pid: Some(key.pid),
                     comm: key.comm.clone(),
@@ -276,7 +277,12 @@ mod tests {
         window(&mut t, 120, &cfg);
         let f = t.findings(&cfg);
         assert_eq!(f.len(), 1);
-        assert_eq!(f[0].rate_per_sec, Some(120.0));
+        assert_eq!(
+            f[0].detail,
+            Detail::ReconnectStorm {
+                rate_per_sec: 120.0
+            }
+        );
         assert!(
             f[0].summary
                 .contains("client pid 5 opens 120 new connections/s to port 443"),

@@ -470,9 +470,9 @@ mod tests {
         // Streams opened in a burst (1 ms apart, closer than the relay's accept-to-dial).
         for gap_ms in [1, 3000] {
             let f = run(&chain(64, gap_ms, 360, 360), false);
-            assert_eq!(f.verdict, Some(Verdict::Leak), "{}", f.summary);
+            assert_eq!(f.verdict(), Some(Verdict::Leak), "{}", f.summary);
             assert_eq!(
-                f.upstream,
+                f.upstream(),
                 vec![UpstreamOwner {
                     pid: Some(10),
                     comm: "node".into(),
@@ -533,8 +533,8 @@ mod tests {
             .map(|s| place(s, &a, None))
             .collect();
         let f = run(&inside, false);
-        assert_eq!(f.upstream.len(), 1, "{}", f.summary);
-        assert_eq!((f.upstream[0].pid, f.upstream[0].count), (Some(10), 64));
+        assert_eq!(f.upstream().len(), 1, "{}", f.summary);
+        assert_eq!((f.upstream()[0].pid, f.upstream()[0].count), (Some(10), 64));
         let split: Vec<Socket> = chain(64, 1, 360, 360)
             .into_iter()
             .map(|s| {
@@ -543,14 +543,14 @@ mod tests {
             })
             .collect();
         let f = run(&split, false);
-        assert!(f.upstream.is_empty(), "{:?}", f.upstream);
+        assert!(f.upstream().is_empty(), "{:?}", f.upstream());
     }
 
     #[test]
     fn busy_upstream_makes_the_verdict_load() {
         let f = run(&chain(64, 1, 360, 1), false);
-        assert_eq!(f.verdict, Some(Verdict::Load), "{}", f.summary);
-        assert_eq!(f.upstream[0].idle, 0);
+        assert_eq!(f.verdict(), Some(Verdict::Load), "{}", f.summary);
+        assert_eq!(f.upstream()[0].idle, 0);
         assert!(
             f.summary.contains("0 of 64 connections idle"),
             "{}",
@@ -565,8 +565,8 @@ mod tests {
             s.age_exact = false;
         }
         let f = run(&t, false);
-        assert_eq!(f.upstream.len(), 1);
-        let u = &f.upstream[0];
+        assert_eq!(f.upstream().len(), 1);
+        let u = &f.upstream()[0];
         assert_eq!(
             (u.pid, u.via_port, u.count, u.matched_by),
             (Some(10), 25001, 64, MatchedBy::Port)
@@ -577,12 +577,12 @@ mod tests {
     #[test]
     fn port_map_stays_the_explicit_way() {
         let f = run(&chain(64, 1, 360, 360), true);
-        assert_eq!(f.upstream.len(), 1, "{:?}", f.upstream);
+        assert_eq!(f.upstream().len(), 1, "{:?}", f.upstream());
         assert_eq!(
             (
-                f.upstream[0].pid,
-                f.upstream[0].count,
-                f.upstream[0].matched_by
+                f.upstream()[0].pid,
+                f.upstream()[0].count,
+                f.upstream()[0].matched_by
             ),
             (Some(10), 64, MatchedBy::PortMap)
         );
@@ -599,7 +599,7 @@ mod tests {
             .filter(|s| s.comm() != "node" && s.local.port() != 25001)
             .collect();
         let f = run(&t, false);
-        assert!(f.upstream.is_empty(), "{:?}", f.upstream);
-        assert_eq!(f.verdict, Some(Verdict::Leak));
+        assert!(f.upstream().is_empty(), "{:?}", f.upstream());
+        assert_eq!(f.verdict(), Some(Verdict::Leak));
     }
 }

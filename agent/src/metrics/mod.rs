@@ -300,7 +300,7 @@ impl Metrics {
 
     pub fn observe_findings(&self, findings: &[Finding]) {
         for kind in crate::detect::Kind::ALL {
-            let n = findings.iter().filter(|f| f.kind == kind).count();
+            let n = findings.iter().filter(|f| f.kind() == kind).count();
             self.findings
                 .get_or_create(&KindLabels {
                     kind: kind.as_str().to_string(),

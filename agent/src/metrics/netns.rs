@@ -155,7 +155,7 @@ impl Metrics {
         for f in findings {
             self.netns_findings
                 .get_or_create(&NetnsKindLabels {
-                    kind: f.kind.as_str().to_string(),
+                    kind: f.kind().as_str().to_string(),
                     netns: f.netns_label(),
                 })
                 .inc();

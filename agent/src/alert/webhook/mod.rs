@@ -57,10 +57,10 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
     let f = &alert.finding;
     let severity = am
         .severity
-        .get(f.kind.as_str())
-        .map_or(f.kind.default_severity(), String::as_str);
+        .get(f.kind().as_str())
+        .map_or(f.kind().default_severity(), String::as_str);
     let mut labels = json!({
-        "alertname": f.kind.as_str(),
+        "alertname": f.kind().as_str(),
         "fingerprint": f.fingerprint,
         "host": alert.host,
         "service": "connreap",
@@ -109,7 +109,7 @@ fn alert_alertmanager(alert: &Alert, am: &AmContext) -> Value {
         "oldest_age_secs": f.oldest_age_secs.to_string(),
         "processes": serde_json::to_string(&f.processes).unwrap_or_default(),
         "pids": f.processes.iter().filter_map(|p| p.pid).map(|p| p.to_string()).collect::<Vec<_>>().join(","),
-        "verdict": f.verdict.map_or("", |v| v.as_str()),
+        "verdict": f.verdict().map_or("", |v| v.as_str()),
         "change": alert.change.as_deref().unwrap_or(""),
         "netns": f.netns.to_string(),
         "netns_name": f.netns_name.as_deref().unwrap_or(""),
@@ -431,7 +431,7 @@ mod tests {
     fn alertmanager_body_has_labels_and_times() {
         let mut f = crate::detect::testutil_finding(Kind::QuotaExhaustedByLeak, "relay:21000");
         f.service_port = Some(21000);
-        f.verdict = Some(crate::detect::Verdict::Leak);
+        f.set_verdict(crate::detect::Verdict::Leak);
         let a = Alert {
             finding: f,
             status: Status::Resolved,
