@@ -1,6 +1,9 @@
 //! HTTP API (axum): health, metrics, sockets, findings, quotas, reclaims. Handlers read what
 //! the scan loop published and ask the engine for reclaim rounds; none of them blocks.
-use std::{sync::Arc, time::Instant};
+use std::{
+    sync::{Arc, OnceLock},
+    time::Instant,
+};
 
 use axum::{
     extract::{Query, State},
@@ -13,8 +16,14 @@ use serde_json::json;
 use tokio::sync::watch;
 
 use crate::{
-    alert::notify::Alert, config::Config, engine::Engine, metrics::Metrics, quota::QuotaStatus,
-    snapshot::FilterArgs, table::Socket, tasks::Supervisor,
+    alert::notify::Alert,
+    config::Config,
+    engine::Engine,
+    metrics::Metrics,
+    quota::QuotaStatus,
+    snapshot::{Filter, FilterArgs},
+    table::Socket,
+    tasks::Supervisor,
 };
 
 /// The socket table as the API sees it.
@@ -24,9 +33,42 @@ pub enum TableView {
     /// holds two): readers wait for the next publication.
     #[default]
     Pending,
-    Ready(Arc<Vec<Socket>>),
+    Ready(Arc<ServedTable>),
     /// The last scan failed, with why.
     Failed(String),
+}
+
+/// A published socket table and its unfiltered `/v1/sockets` body, rendered at most once per
+/// scan and only when asked for: a dashboard polling the whole list costs one render per scan,
+/// not one per request, and a daemon nobody asks renders nothing. (Rows carry the ages the
+/// scan measured, so the body stays true for the table's lifetime.)
+pub struct ServedTable {
+    pub sockets: Vec<Socket>,
+    all: OnceLock<Result<axum::body::Bytes, String>>,
+}
+
+impl ServedTable {
+    pub fn new(sockets: Vec<Socket>) -> ServedTable {
+        ServedTable {
+            sockets,
+            all: OnceLock::new(),
+        }
+    }
+
+    /// The `/v1/sockets` body for `filter`: the cached whole list when it selects everything.
+    fn render(&self, filter: &Filter) -> Result<axum::body::Bytes, String> {
+        let render = |selected: &[&Socket]| {
+            crate::snapshot::socket_list_json(selected)
+                .map(axum::body::Bytes::from)
+                .map_err(|e| e.to_string())
+        };
+        if *filter == Filter::default() {
+            let all: Vec<&Socket> = self.sockets.iter().collect();
+            return self.all.get_or_init(|| render(&all)).clone();
+        }
+        let selected: Vec<&Socket> = self.sockets.iter().filter(|s| filter.matches(s)).collect();
+        render(&selected)
+    }
 }
 
 /// What the scan loop publishes for the API (cheap to clone: the big parts are shared).
@@ -213,11 +255,7 @@ async fn sockets(
         };
         // Filtering and rendering walk the whole table (megabytes at 100k sockets): on the
         // blocking pool, never on a runtime worker that serves other requests.
-        let rendered = tokio::task::spawn_blocking(move || {
-            let selected: Vec<&Socket> = table.iter().filter(|s| filter.matches(s)).collect();
-            crate::snapshot::socket_list_json(&selected)
-        })
-        .await;
+        let rendered = tokio::task::spawn_blocking(move || table.render(&filter)).await;
         return match rendered {
             Ok(Ok(body)) => ([(header::CONTENT_TYPE, "application/json")], body).into_response(),
             Ok(Err(e)) => error(
@@ -363,6 +401,46 @@ async fn reclaim(
 
 #[cfg(test)]
 mod tests {
+    use super::{Filter, ServedTable};
+    use crate::{detect::testutil::sock, table::TcpState};
+
+    #[test]
+    fn the_whole_list_is_rendered_once_per_table_and_filters_render_their_own() {
+        let t = ServedTable::new(vec![
+            sock(
+                7,
+                "java",
+                "10.0.0.5:40000",
+                "10.0.0.6:80",
+                TcpState::CloseWait,
+            ),
+            sock(
+                8,
+                "node",
+                "10.0.0.5:40001",
+                "10.0.0.6:80",
+                TcpState::Established,
+            ),
+        ]);
+        let all = t.render(&Filter::default()).expect("renders");
+        let again = t.render(&Filter::default()).expect("renders");
+        assert_eq!(
+            all.as_ptr(),
+            again.as_ptr(),
+            "the cached body, not a new render"
+        );
+        let v: serde_json::Value = serde_json::from_slice(&all).expect("JSON");
+        assert_eq!(v["count"], 2);
+        let java = Filter {
+            pids: vec![7],
+            ..Filter::default()
+        };
+        let one: serde_json::Value =
+            serde_json::from_slice(&t.render(&java).expect("renders")).expect("JSON");
+        assert_eq!(one["count"], 1);
+        assert_eq!(one["sockets"][0]["comm"], "java");
+    }
+
     #[test]
     fn failed_namespaces_are_health_problems() {
         let failed = [(4026532009u32, "entering it: permission denied".to_string())];

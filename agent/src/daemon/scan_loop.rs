@@ -12,7 +12,7 @@ use std::{
 use tokio::sync::{mpsc, watch};
 
 use super::{
-    api::{Published, TableView},
+    api::{Published, ServedTable, TableView},
     health::{self, Failures},
 };
 use crate::{
@@ -297,7 +297,7 @@ impl ScanLoop {
         let queued = self.webhooks.queued();
         self.published.send_modify(|p| {
             p.sockets = table.len();
-            p.table = TableView::Ready(Arc::new(table));
+            p.table = TableView::Ready(Arc::new(ServedTable::new(table)));
             p.quotas = quotas;
             p.last_scan = Some(Instant::now());
             p.last_scan_error = None;

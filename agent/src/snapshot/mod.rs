@@ -7,7 +7,7 @@ use std::{fmt::Write as _, time::Duration};
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
-pub use filter::{FilterArgs, FilterError};
+pub use filter::{Filter, FilterArgs, FilterError};
 
 use crate::{
     present::{self, human},
