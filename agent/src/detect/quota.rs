@@ -381,21 +381,19 @@ mod tests {
     };
 
     fn cfgs() -> Vec<QuotaConfig> {
+        use crate::quota::tests::{relay_toml, RELAY_URL};
+        let relay = relay_toml(
+            RELAY_URL,
+            "limit_field = \"maxStreams\"\nport_map = { \"21000\" = 25001 }",
+        );
         parse(
-            r#"[[quota]]
-name = "relay"
-url = "http://127.0.0.1:20080/status"
-items = "/endpoints"
-port_field = "port"
-used_field = "streams"
-limit_field = "maxStreams"
-port_map = { "21000" = 25001 }
-[[quota]]
+            &(relay
+                + r#"[[quota]]
 name = "pool"
 process = "java"
 peer = "10.0.16.36:80"
 limit = 4
-"#,
+"#),
             "t",
         )
         .unwrap()

@@ -416,15 +416,14 @@ mod tests {
     }
 
     fn run(table: &[Socket], port_map: bool) -> Finding {
-        let text = format!(
-            "[[quota]]\nname = \"relay\"\nurl = \"http://127.0.0.1:20080/status\"\n\
-             items = \"/endpoints\"\nport_field = \"port\"\nused_field = \"streams\"\n\
-             limit_field = \"maxStreams\"\n{}",
+        use crate::quota::tests::{relay_toml, RELAY_URL};
+        let text = relay_toml(
+            RELAY_URL,
             if port_map {
-                "port_map = { \"21000\" = 25001 }\n"
+                "limit_field = \"maxStreams\"\nport_map = { \"21000\" = 25001 }"
             } else {
-                ""
-            }
+                "limit_field = \"maxStreams\""
+            },
         );
         let cfgs: Vec<QuotaConfig> = parse(&text, "t").unwrap().quota;
         let cfg = DetectConfig::default();

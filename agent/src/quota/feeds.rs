@@ -227,10 +227,7 @@ mod tests {
 
     /// A source on `url` in `place` (netns = "..." or container = "...").
     fn source(url: &str, place: &str) -> QuotaConfig {
-        let text = format!(
-            "[[quota]]\nname = \"relay\"\nurl = \"{url}\"\nitems = \"/endpoints\"\n\
-             port_field = \"port\"\nused_field = \"streams\"\nlimit = 64\n{place}\n"
-        );
+        let text = crate::quota::tests::relay_toml(url, &format!("limit = 64\n{place}"));
         crate::config::parse(&text, "t").unwrap().quota.remove(0)
     }
 

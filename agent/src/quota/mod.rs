@@ -117,20 +117,22 @@ pub fn failed(
 pub(crate) mod tests {
     use super::*;
 
-    pub(crate) fn relay_cfg() -> QuotaConfig {
-        crate::config::parse(
-            r#"[[quota]]
-name = "relay"
-url = "http://127.0.0.1:20080/status"
-items = "/endpoints"
-port_field = "port"
-used_field = "streams"
-limit_field = "maxStreams"
-"#,
-            "t",
+    /// The relay's status URL in the unit tests' configs.
+    pub(crate) const RELAY_URL: &str = "http://127.0.0.1:20080/status";
+
+    /// The `[[quota]]` entry of a relay's `/status` (entries under `/endpoints`, each with
+    /// `port` and `streams`) read from `url`, then `extra` (its limit, a port_map, a place).
+    pub(crate) fn relay_toml(url: &str, extra: &str) -> String {
+        format!(
+            "[[quota]]\nname = \"relay\"\nurl = \"{url}\"\nitems = \"/endpoints\"\n\
+             port_field = \"port\"\nused_field = \"streams\"\n{extra}\n"
         )
-        .unwrap()
-        .quota
-        .remove(0)
+    }
+
+    pub(crate) fn relay_cfg() -> QuotaConfig {
+        crate::config::parse(&relay_toml(RELAY_URL, "limit_field = \"maxStreams\""), "t")
+            .unwrap()
+            .quota
+            .remove(0)
     }
 }

@@ -141,17 +141,12 @@ fn a_quota_policy_reaches_its_feeders_namespace() {
 }
 
 fn policy(extra: &str) -> (PolicyConfig, ReclaimConfig) {
+    use crate::quota::tests::{relay_toml, RELAY_URL};
+    let relay = relay_toml(RELAY_URL, "limit_field = \"maxStreams\"");
     let text = format!(
         r#"[reclaim]
 protect_ports = [22]
-[[quota]]
-name = "relay"
-url = "http://127.0.0.1:20080/status"
-items = "/endpoints"
-port_field = "port"
-used_field = "streams"
-limit_field = "maxStreams"
-[[policy]]
+{relay}[[policy]]
 name = "relay-leaks"
 mode = "enforce"
 quota = "relay"

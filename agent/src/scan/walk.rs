@@ -82,8 +82,8 @@ impl Walks {
 
     /// Whether walking all `between` namespaces costs no more than reading their sockets in
     /// the owner dump would add to it: each walk passes over every socket of the host, but
-    /// skipping another namespace's socket is cheaper than reading a process's socket file (on
-    /// the bench host ~0.1 µs against ~0.8 µs), so with a few namespaces walking them is
+    /// skipping another namespace's socket is several times cheaper than reading a process's
+    /// socket file (measure 7 of `cargo xtask bench`), so with a few namespaces walking them is
     /// cheaper. From the times measured so far; before the owner dump read them once, half the
     /// plain dump's time stands in for what reading them adds.
     pub fn walk_all_cheaper(&self, between: usize) -> bool {

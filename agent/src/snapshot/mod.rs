@@ -176,7 +176,7 @@ pub fn socket_list_json(sockets: &[&Socket]) -> serde_json::Result<Vec<u8>> {
 
 /// The `snapshot --json` document, `{"sockets":[..],"summary":[..],"counters":..}`, compact:
 /// the same text as [`to_json_writer`] on a struct of those three fields. The socket rows, most
-/// of the text (a 10k-socket table is 3.4 MB), are rendered on `threads` threads at once, in
+/// of the text (megabytes at tens of thousands of sockets), are rendered on `threads` threads at once, in
 /// rounds of a few thousand rows per thread, so the memory held stays small at any size.
 pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     w: &mut W,
