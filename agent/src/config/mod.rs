@@ -1,5 +1,6 @@
-//! Configuration: TOML file, every key with a commented default. `connreap.example.toml` at the
-//! repository root is the reference; a unit test keeps it equal to `Config::default()`.
+//! Configuration: a TOML file. Every key is declared once (`tables.rs`, `entries.rs`, with the
+//! `settings!` macro of `decl.rs`); `connreap.example.toml` and docs/config.md are generated
+//! from those declarations (`render.rs`), and a unit test keeps them current.
 mod decl;
 mod delivery;
 mod entries;
