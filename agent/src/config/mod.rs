@@ -1,21 +1,30 @@
-//! Configuration: TOML file, every key with a commented default. `connreap.example.toml` at the
-//! repository root is the reference; a unit test keeps it equal to `Config::default()`.
+//! Configuration: a TOML file. Every key is declared once (`tables.rs`, `entries.rs`, with the
+//! `settings!` macro of `decl.rs`); `connreap.example.toml` and docs/config.md are generated
+//! from those declarations (`render.rs`), and a unit test keeps them current.
+mod decl;
+mod delivery;
+mod entries;
 mod keys;
 mod ranges;
+#[cfg(test)]
+mod render;
 mod shown;
 mod size;
+mod tables;
 mod token;
 mod validate;
 
-use std::{collections::BTreeMap, net::SocketAddr, path::Path, time::Duration};
+use std::path::Path;
 
 use serde::{Deserialize, Serialize};
 
-use crate::table::TcpState;
+pub use delivery::Delivery;
+pub use entries::{PolicyConfig, QuotaConfig, Selector, WebhookConfig};
 use keys::{KeyPath, Positions};
 pub use ranges::{DEFAULT_MAX_BODY, MAX_COUNT};
 pub use shown::{shown, INPUT_MAX};
 pub use size::ByteSize;
+pub use tables::{AgentConfig, AlertsConfig, ApiConfig, DetectConfig, ReclaimConfig};
 pub use token::read_token;
 use validate::validate;
 pub use validate::warnings;
@@ -107,227 +116,12 @@ pub struct Config {
     pub policy: Vec<PolicyConfig>,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AgentConfig {
-    /// Address of the HTTP API and /metrics.
-    pub listen: SocketAddr,
-    /// How often the socket table is rebuilt and the detectors run.
-    #[serde(with = "humantime_serde")]
-    pub scan_interval: Duration,
-    /// How often each network namespace other than connreap's own is walked whole; between
-    /// walks, its sockets held by a process are read on every scan in one pass over all
-    /// processes, and those no process holds (TIME_WAIT, SYN_RECV, orphans, not yet accepted)
-    /// are carried from its last walk. 0s: every namespace on every scan.
-    #[serde(with = "humantime_serde")]
-    pub netns_walk_interval: Duration,
-    /// Host name reported in alerts; empty means the kernel's host name.
-    pub host: String,
-    /// Log lines on stderr: "text" or "json" (`--log-format` overrides).
-    pub log_format: crate::logging::LogFormat,
-}
-
-impl Default for AgentConfig {
-    fn default() -> Self {
-        AgentConfig {
-            // Loopback only: the API exposes socket owners; put a proxy in front to share it.
-            listen: SocketAddr::from(([127, 0, 0, 1], 9477)),
-            scan_interval: Duration::from_secs(5),
-            // A walk per namespace costs a pass over every socket of the host (one TCP hash
-            // for all namespaces): at 100 namespaces, walking each on every scan cost 1.27 s
-            // of CPU per scan (BENCHMARKS.md, measure 7). TIME_WAIT lasts 60 s.
-            netns_walk_interval: Duration::from_secs(60),
-            host: String::new(),
-            log_format: crate::logging::LogFormat::Text,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct DetectConfig {
-    /// CLOSE_WAIT younger than this is normal shutdown in progress.
-    #[serde(with = "humantime_serde")]
-    pub close_wait_min_age: Duration,
-    /// CLOSE_WAIT sockets per (process, service port) that make a finding. Any single
-    /// CLOSE_WAIT older than ten times `close_wait_min_age` makes one too.
-    pub close_wait_threshold: usize,
-    /// Both ends of a local ESTABLISHED pair idle at least this long count as stuck.
-    #[serde(with = "humantime_serde")]
-    pub stuck_pair_min_idle: Duration,
-    /// Stuck pairs per (client process, server process, service port) that make a finding.
-    pub stuck_pair_threshold: usize,
-    /// An ESTABLISHED socket whose other end is not on this host, queues empty, idle at least
-    /// this long, counts toward idle_established_buildup...
-    #[serde(with = "humantime_serde")]
-    pub idle_established_min_idle: Duration,
-    /// ...and this many per (process, service port) make a finding. Both defaults sit above
-    /// what healthy keep-alive pools hold idle (see connreap.example.toml).
-    pub idle_established_threshold: usize,
-    /// used/limit at or above this is "saturated".
-    pub quota_saturation: f64,
-    /// A connection counted against a saturated quota is "idle" after this long without data.
-    #[serde(with = "humantime_serde")]
-    pub quota_idle_min: Duration,
-    /// New outbound connections per second per (process, peer service port) that count as a
-    /// storm when the rate also grew over `storm_growth_windows` consecutive scan intervals.
-    pub storm_rate: f64,
-    pub storm_growth_windows: usize,
-    /// failing_upstream counts a process's outbound connection attempts per remote endpoint
-    /// over this long...
-    #[serde(with = "humantime_serde")]
-    pub failing_window: Duration,
-    /// ...and fires when at least this many of them failed...
-    pub failing_min_failures: usize,
-    /// ...making at least this share of its attempts to that endpoint.
-    pub failing_share: f64,
-    /// A connection reset by the peer within this long of its handshake failed (or closed by
-    /// the peer within it, then reset: see `kernel::outcome`).
-    #[serde(with = "humantime_serde")]
-    pub failing_short_lifetime: Duration,
-    /// connreap_upstream_connections_total also carries the remote address (`remote_addr`):
-    /// one series per upstream address, for a host talking to few of them.
-    pub failing_metrics_by_address: bool,
-}
-
-impl Default for DetectConfig {
-    fn default() -> Self {
-        DetectConfig {
-            close_wait_min_age: Duration::from_secs(30),
-            close_wait_threshold: 16,
-            stuck_pair_min_idle: Duration::from_secs(300),
-            stuck_pair_threshold: 16,
-            idle_established_min_idle: Duration::from_secs(600),
-            idle_established_threshold: 64,
-            quota_saturation: 0.9,
-            quota_idle_min: Duration::from_secs(60),
-            storm_rate: 50.0,
-            storm_growth_windows: 2,
-            failing_window: Duration::from_secs(60),
-            failing_min_failures: 10,
-            failing_share: 0.5,
-            failing_short_lifetime: Duration::from_millis(50),
-            failing_metrics_by_address: false,
-        }
-    }
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ApiConfig {
-    /// File holding the bearer token for POST /v1/reclaim; empty disables that endpoint.
-    pub token_file: String,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct AlertsConfig {
-    /// A firing alert is sent again this often while it keeps firing.
-    #[serde(with = "humantime_serde")]
-    pub repeat_interval: Duration,
-    /// A firing alert whose content changed materially (count grew by half, a new owning
-    /// process) is sent again at most this often; a changed verdict is sent at once.
-    #[serde(with = "humantime_serde")]
-    pub renotify_interval: Duration,
-    /// Alertmanager receivers get every firing alert re-posted this often, with `endsAt` four
-    /// of these ahead (as Prometheus does): an Alertmanager restart loses nothing for long, and
-    /// a dead agent's alerts expire.
-    #[serde(with = "humantime_serde")]
-    pub alertmanager_resend: Duration,
-    /// The `severity` label per finding kind, where it differs from the built-in one
-    /// (quota_exhausted_by_leak and reconnect_storm critical, the others warning).
-    pub severity: std::collections::BTreeMap<String, String>,
-    /// Notifications kept while receivers are down; beyond this the oldest are dropped
-    /// (counted in connreap_webhook_dropped_total and logged).
-    pub queue_capacity: usize,
-    /// Longest wait between retries to an unreachable receiver.
-    #[serde(with = "humantime_serde")]
-    pub max_backoff: Duration,
-    /// Per-request timeout.
-    #[serde(with = "humantime_serde")]
-    pub timeout: Duration,
-}
-
-impl Default for AlertsConfig {
-    fn default() -> Self {
-        AlertsConfig {
-            repeat_interval: Duration::from_secs(3600),
-            renotify_interval: Duration::from_secs(60),
-            alertmanager_resend: Duration::from_secs(60),
-            severity: std::collections::BTreeMap::new(),
-            queue_capacity: 1024,
-            max_backoff: Duration::from_secs(60),
-            timeout: Duration::from_secs(5),
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct ReclaimConfig {
-    /// Never touched, whatever a policy says.
-    pub protect_ports: Vec<u16>,
-    /// Every reclaim decision, one JSON line each; appended, never rewritten.
-    pub audit_log: String,
-    /// How sockets are destroyed: "auto" (netlink SOCK_DESTROY, else the bpf_sock_destroy
-    /// kfunc from an iter/tcp program), "netlink" or "bpf-iter" (only that one).
-    pub mechanism: DestroyMechanism,
-}
-
-impl Default for ReclaimConfig {
-    fn default() -> Self {
-        ReclaimConfig {
-            protect_ports: vec![22],
-            audit_log: "/var/lib/connreap/audit.jsonl".into(),
-            mechanism: DestroyMechanism::Auto,
-        }
-    }
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum DestroyMechanism {
     Auto,
     Netlink,
     BpfIter,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct QuotaConfig {
-    pub name: String,
-    // HTTP JSON source
-    pub url: Option<String>,
-    /// JSON pointer to the array of entries.
-    pub items: Option<String>,
-    pub port_field: Option<String>,
-    pub used_field: Option<String>,
-    pub limit_field: Option<String>,
-    #[serde(default, with = "humantime_serde::option")]
-    pub poll_interval: Option<Duration>,
-    #[serde(default, with = "humantime_serde::option")]
-    pub timeout: Option<Duration>,
-    /// Quota port -> local service port whose sockets carry its streams (e.g. a relay that
-    /// reports the instance port 21000 for streams arriving on its dial slot 25001).
-    #[serde(default)]
-    pub port_map: BTreeMap<String, u16>,
-    // Static source
-    /// Process (comm) whose sockets to `peer` count as used.
-    pub process: Option<String>,
-    pub peer: Option<SocketAddr>,
-    /// Fixed limit (static sources, or HTTP sources without `limit_field`).
-    pub limit: Option<u64>,
-    /// Largest response body read from an HTTP source (default [`DEFAULT_MAX_BODY`]); a
-    /// bigger one makes the source unavailable.
-    pub max_body: Option<ByteSize>,
-    /// The network namespace the quota's ports live in, and its URL is polled from: a name
-    /// under /run/netns or /run/docker/netns, an inode, or "host". Without it (and without
-    /// `container`): connreap's own namespace.
-    pub netns: Option<String>,
-    /// Instead of `netns`: the network namespace of the container whose id starts with this
-    /// (at least 4 hex digits; stored lowercase).
-    #[serde(default, deserialize_with = "lowercase")]
-    pub container: Option<String>,
 }
 
 /// Where a quota's ports, or a policy's sockets, live: `netns = ...` or `container = ...`.
@@ -369,18 +163,6 @@ pub enum WebhookFormat {
     Alertmanager,
 }
 
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct WebhookConfig {
-    pub url: String,
-    #[serde(default = "default_format")]
-    pub format: WebhookFormat,
-}
-
-fn default_format() -> WebhookFormat {
-    WebhookFormat::Json
-}
-
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum PolicyMode {
@@ -393,56 +175,6 @@ pub enum PolicyMode {
 pub enum Trigger {
     QuotaSaturated,
     Always,
-}
-
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct Selector {
-    pub comm: Option<String>,
-    pub pid: Option<u32>,
-    pub unit: Option<String>,
-    pub local_port: Option<u16>,
-    pub peer_port: Option<u16>,
-    pub peer: Option<SocketAddr>,
-    #[serde(default)]
-    pub states: Vec<TcpState>,
-    /// Also select sockets with no owner (e.g. connections still in a listener's accept
-    /// queue). Only with local_port or peer_port: without it they are never selected.
-    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
-    pub unowned: bool,
-    /// Only sockets in this network namespace (a name, an inode or "host"). Without `netns`
-    /// and `container` a policy applies in every namespace.
-    pub netns: Option<String>,
-    /// Only sockets whose owner runs in a container whose id starts with this (at least 4
-    /// hex digits; stored lowercase). Sockets with no owner never match it.
-    #[serde(default, deserialize_with = "lowercase")]
-    pub container: Option<String>,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct PolicyConfig {
-    pub name: String,
-    #[serde(default = "default_mode")]
-    pub mode: PolicyMode,
-    pub trigger: Trigger,
-    pub quota: Option<String>,
-    pub select: Selector,
-    #[serde(default, with = "humantime_serde::option")]
-    pub min_idle: Option<Duration>,
-    #[serde(default, with = "humantime_serde::option")]
-    pub min_age: Option<Duration>,
-    #[serde(default)]
-    pub order: Order,
-    #[serde(default = "default_max_per_round")]
-    pub max_per_round: usize,
-    #[serde(default)]
-    pub action: Action,
-    /// Also take a relaying process's upstream connections that may still serve a connected
-    /// downstream (a user on a quiet page). Off: only orphaned ones (downstream gone) and
-    /// connections of processes that do not relay are taken.
-    #[serde(default)]
-    pub include_serving: bool,
 }
 
 /// Which selected sockets a round takes first.
@@ -462,13 +194,6 @@ pub enum Action {
     /// SOCK_DESTROY (or the bpf_sock_destroy fallback): RST where the state calls for it.
     #[default]
     Destroy,
-}
-
-fn default_mode() -> PolicyMode {
-    PolicyMode::DryRun
-}
-fn default_max_per_round() -> usize {
-    8
 }
 
 impl QuotaConfig {

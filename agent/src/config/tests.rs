@@ -1,5 +1,6 @@
 //! Unit tests of config parsing, defaults and errors.
 use super::*;
+use std::time::Duration;
 
 const EXAMPLE: &str = include_str!("../../../connreap.example.toml");
 
@@ -187,53 +188,36 @@ fn unreadable_files_keep_the_cause() {
     );
 }
 
-/// The line the example documents `key` on: a top-level key's comment block above it, or the
-/// line of a key of the commented-out `[[quota]]`/`[[policy]]` examples.
-fn example_doc(key: &str) -> String {
-    let (table, name) = key.split_once('.').unwrap();
-    let entry = matches!(table, "quota" | "policy");
-    let header = if entry {
-        format!("# [[{table}]]")
-    } else {
-        format!("[{table}]")
-    };
-    let lines: Vec<&str> = EXAMPLE.lines().collect();
-    let start = lines
-        .iter()
-        .position(|l| *l == header)
-        .unwrap_or_else(|| panic!("example has no {header}"));
-    let at = (start..lines.len())
-        .find(|i| {
-            let l = lines[*i];
-            let l = if entry {
-                l.trim_start_matches('#').trim_start()
-            } else {
-                l
-            };
-            l.starts_with(&format!("{name} = "))
-        })
-        .unwrap_or_else(|| panic!("example has no `{key}`"));
-    if entry {
-        return lines[at].to_string();
+/// Writes `path` (from the repository root) when UPDATE_EXPECT is set, else fails unless it
+/// holds `want`.
+fn expect_file(path: &str, want: &str) {
+    let full = Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(path);
+    if std::env::var_os("UPDATE_EXPECT").is_some() {
+        std::fs::write(&full, want).unwrap();
+        return;
     }
-    let mut first = at;
-    while first > start + 1 && lines[first - 1].starts_with('#') {
-        first -= 1;
-    }
-    lines[first..at].join("\n")
-}
-
-#[test]
-fn example_config_documents_every_range() {
-    for (key, range) in ranges::all() {
-        let doc = example_doc(key);
-        assert!(
-            doc.replace("Range:", "range:")
-                .contains(&format!("range: {range}")),
-            "connreap.example.toml must document `{key}` with \"range: {range}\"; it says:\n{doc}"
+    let got = std::fs::read_to_string(&full).unwrap_or_default();
+    if got != want {
+        let first = got
+            .lines()
+            .zip(want.lines())
+            .position(|(g, w)| g != w)
+            .unwrap_or(got.lines().count().min(want.lines().count()));
+        panic!(
+            "{path} is not what the key declarations in agent/src/config generate (first \
+             difference at line {}). Regenerate it with\n  \
+             UPDATE_EXPECT=1 cargo test -p connreap config\nthen `UPDATE_EXPECT=1 cargo test -p \
+             xtask configmap` for deploy/kubernetes/configmap.yaml.",
+            first + 1
         );
     }
-    assert!(example_doc("detect.quota_saturation").contains("Range: (0, 1]"));
+}
+
+/// The example file and the docs' key table come from the declarations.
+#[test]
+fn generated_files_are_current() {
+    expect_file("connreap.example.toml", &render::example());
+    expect_file("docs/config.md", &render::docs());
 }
 
 /// Every number, duration and size a configuration can hold has a range (checked against a
@@ -260,10 +244,19 @@ select = { comm = "node", peer_port = 25001 }
 min_idle = "10s"
 min_age = "10s"
 max_per_round = 8
+[[webhook]]
+url = "http://127.0.0.1:9999/alerts"
+timeout = "5s"
+queue_capacity = 1024
+max_backoff = "1m"
 "#;
     let cfg = parse(text, "t").unwrap();
     let doc: toml::Table = toml::from_str(&toml::to_string(&cfg).unwrap()).unwrap();
-    let ranged: Vec<&str> = ranges::all().into_iter().map(|(k, _)| k).collect();
+    let ranged: Vec<String> = render::all_keys()
+        .into_iter()
+        .filter(|k| k.range.is_some() && k.moved_to.is_none())
+        .map(|k| k.path())
+        .collect();
     let mut seen = 0;
     for (table, v) in &doc {
         let entries: Vec<&toml::Table> = match v {
@@ -280,9 +273,9 @@ max_per_round = 8
                 _ => false,
             };
             let path = format!("{table}.{key}");
-            if numeric && path != "detect.quota_saturation" {
+            if numeric {
                 seen += 1;
-                assert!(ranged.contains(&path.as_str()), "`{path}` has no range");
+                assert!(ranged.contains(&path), "`{path}` has no range");
             }
         }
     }

@@ -1,7 +1,7 @@
-//! What a parsed configuration must satisfy beyond its types: every value in its range
-//! (`ranges`), sources and policies complete and consistent, the API token usable. A config
-//! that passes runs: nothing here is left for the daemon to trip over.
-use super::{keys::KeyPath, ranges, Config, PolicyConfig, QuotaConfig, Trigger};
+//! What a parsed configuration must satisfy beyond its types: every value in the range its key
+//! declares (`decl.rs`), sources and policies complete and consistent, the API token usable.
+//! A config that passes runs: nothing here is left for the daemon to trip over.
+use super::{keys::KeyPath, Config, PolicyConfig, QuotaConfig, Trigger};
 use crate::table::TcpState;
 
 /// A validation failure: where, and what is wrong.
@@ -16,46 +16,19 @@ fn top(table: &str, key: &str) -> KeyPath {
     KeyPath::default().key(table).key(key)
 }
 
-/// A count in a usize field.
-fn count(v: usize) -> u64 {
-    u64::try_from(v).unwrap_or(u64::MAX)
-}
-
 pub(super) fn validate(cfg: &Config) -> Result<(), Invalid> {
-    ranges::SCAN_INTERVAL.top(cfg.agent.scan_interval)?;
-    ranges::NETNS_WALK_INTERVAL.top(cfg.agent.netns_walk_interval)?;
-    let d = &cfg.detect;
-    ranges::CLOSE_WAIT_MIN_AGE.top(d.close_wait_min_age)?;
-    ranges::CLOSE_WAIT_THRESHOLD.top(count(d.close_wait_threshold))?;
-    ranges::STUCK_PAIR_MIN_IDLE.top(d.stuck_pair_min_idle)?;
-    ranges::STUCK_PAIR_THRESHOLD.top(count(d.stuck_pair_threshold))?;
-    ranges::IDLE_ESTABLISHED_MIN_IDLE.top(d.idle_established_min_idle)?;
-    ranges::IDLE_ESTABLISHED_THRESHOLD.top(count(d.idle_established_threshold))?;
-    // A ratio: (0, 1]. NaN fails both comparisons.
-    if !(d.quota_saturation > 0.0 && d.quota_saturation <= 1.0) {
-        return Err(invalid(
-            top("detect", "quota_saturation"),
-            format!("must be in (0, 1] (got {})", d.quota_saturation),
-        ));
-    }
-    ranges::QUOTA_IDLE_MIN.top(d.quota_idle_min)?;
-    ranges::STORM_RATE.top(d.storm_rate)?;
-    ranges::STORM_GROWTH_WINDOWS.top(count(d.storm_growth_windows))?;
-    ranges::FAILING_WINDOW.top(d.failing_window)?;
-    ranges::FAILING_MIN_FAILURES.top(count(d.failing_min_failures))?;
-    ranges::FAILING_SHARE.top(d.failing_share)?;
-    ranges::FAILING_SHORT_LIFETIME.top(d.failing_short_lifetime)?;
-    let a = &cfg.alerts;
-    ranges::REPEAT_INTERVAL.top(a.repeat_interval)?;
-    ranges::RENOTIFY_INTERVAL.top(a.renotify_interval)?;
-    ranges::ALERTMANAGER_RESEND.top(a.alertmanager_resend)?;
-    validate_severity(a)?;
-    ranges::QUEUE_CAPACITY.top(count(a.queue_capacity))?;
-    ranges::MAX_BACKOFF.top(a.max_backoff)?;
-    ranges::ALERTS_TIMEOUT.top(a.timeout)?;
+    let root = KeyPath::default;
+    cfg.agent.check_ranges(&root().key("agent"))?;
+    cfg.detect.check_ranges(&root().key("detect"))?;
+    cfg.api.check_ranges(&root().key("api"))?;
+    cfg.alerts.check_ranges(&root().key("alerts"))?;
+    cfg.reclaim.check_ranges(&root().key("reclaim"))?;
+    validate_severity(&cfg.alerts)?;
+    super::delivery::validate(cfg)?;
     super::token::read_token(&cfg.api).map_err(|e| invalid(top("api", "token_file"), e))?;
     validate_quotas(cfg)?;
     for (i, w) in cfg.webhook.iter().enumerate() {
+        w.check_ranges(&KeyPath::default().entry("webhook", i, None))?;
         if !w.url.starts_with("http://") && !w.url.starts_with("https://") {
             return Err(invalid(
                 KeyPath::default().entry("webhook", i, None).key("url"),
@@ -113,18 +86,7 @@ fn validate_quotas(cfg: &Config) -> Result<(), Invalid> {
                 ))
             }
         }
-        if let Some(limit) = q.limit {
-            ranges::QUOTA_LIMIT.within(&entry, limit)?;
-        }
-        if let Some(p) = q.poll_interval {
-            ranges::POLL_INTERVAL.within(&entry, p)?;
-        }
-        if let Some(t) = q.timeout {
-            ranges::QUOTA_TIMEOUT.within(&entry, t)?;
-        }
-        if let Some(b) = q.max_body {
-            ranges::MAX_BODY.within(&entry, b)?;
-        }
+        q.check_ranges(&entry)?;
         validate_place(
             &entry,
             &q.netns,
@@ -244,13 +206,7 @@ fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
                 _ => {}
             }
         }
-        if let Some(d) = p.min_idle {
-            ranges::MIN_IDLE.within(&entry, d)?;
-        }
-        if let Some(d) = p.min_age {
-            ranges::MIN_AGE.within(&entry, d)?;
-        }
-        ranges::MAX_PER_ROUND.within(&entry, count(p.max_per_round))?;
+        p.check_ranges(&entry)?;
     }
     Ok(())
 }
@@ -258,6 +214,7 @@ fn validate_policies(cfg: &Config) -> Result<(), Invalid> {
 fn validate_selector(entry: &KeyPath, p: &PolicyConfig) -> Result<(), Invalid> {
     let select = entry.clone().key("select");
     let s = &p.select;
+    s.check_ranges(&select)?;
     validate_place(
         &select,
         &s.netns,
@@ -333,7 +290,7 @@ fn truncate_comm(comm: &str) -> &str {
 /// What is allowed but probably not meant, one message each (logged by `run` as warnings and
 /// printed by `check-config`).
 pub fn warnings(cfg: &Config) -> Vec<String> {
-    let mut out = Vec::new();
+    let mut out = super::delivery::warnings(cfg);
     if !cfg.api.token_file.is_empty() && !cfg.agent.listen.ip().is_loopback() {
         out.push(format!(
             "agent.listen {} is not a loopback address and api.token_file is set: \

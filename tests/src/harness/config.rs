@@ -172,6 +172,7 @@ pub struct Config {
     webhooks: Vec<String>,
     alertmanagers: Vec<String>,
     alerts: Vec<String>,
+    delivery: Vec<String>,
     quotas: Vec<RelayQuota>,
     policies: Vec<String>,
 }
@@ -194,6 +195,7 @@ impl Config {
             webhooks: Vec::new(),
             alertmanagers: Vec::new(),
             alerts: Vec::new(),
+            delivery: Vec::new(),
             quotas: Vec::new(),
             policies: Vec::new(),
         }
@@ -316,6 +318,12 @@ impl Config {
         self
     }
 
+    /// Lines for every `[[webhook]]`, e.g. `queue_capacity = 1`.
+    pub fn webhook_delivery(mut self, lines: &str) -> Config {
+        self.delivery.push(lines.to_string());
+        self
+    }
+
     pub fn quota(mut self, quota: RelayQuota) -> Config {
         self.quotas.push(quota);
         self
@@ -351,11 +359,8 @@ impl fmt::Display for Config {
         if !self.detect.is_empty() {
             writeln!(f, "\n[detect]\n{}", self.detect.join("\n"))?;
         }
-        if self.fast_alerts || !self.alerts.is_empty() {
+        if !self.alerts.is_empty() {
             writeln!(f, "\n[alerts]")?;
-        }
-        if self.fast_alerts {
-            writeln!(f, "max_backoff = \"2s\"\ntimeout = \"2s\"")?;
         }
         for lines in &self.alerts {
             writeln!(f, "{lines}")?;
@@ -369,14 +374,17 @@ impl fmt::Display for Config {
             writeln!(f, "mechanism = \"{m}\"")?;
         }
         writeln!(f, "audit_log = \"{}\"", self.audit.display())?;
-        for url in &self.webhooks {
-            writeln!(f, "\n[[webhook]]\nurl = \"{url}\"\nformat = \"json\"")?;
+        let mut delivery = self.delivery.clone();
+        if self.fast_alerts {
+            delivery.insert(0, "max_backoff = \"2s\"\ntimeout = \"2s\"".to_string());
         }
-        for url in &self.alertmanagers {
-            writeln!(
-                f,
-                "\n[[webhook]]\nurl = \"{url}\"\nformat = \"alertmanager\""
-            )?;
+        let hooks = self.webhooks.iter().map(|u| (u, "json"));
+        let managers = self.alertmanagers.iter().map(|u| (u, "alertmanager"));
+        for (url, format) in hooks.chain(managers) {
+            writeln!(f, "\n[[webhook]]\nurl = \"{url}\"\nformat = \"{format}\"")?;
+            for lines in &delivery {
+                writeln!(f, "{lines}")?;
+            }
         }
         for q in &self.quotas {
             write!(f, "\n{q}")?;

@@ -14,7 +14,7 @@ use tokio::sync::Notify;
 
 use crate::{
     alert::notify::{Alert, Notification, Reclaimed, Status},
-    config::{AlertsConfig, WebhookConfig, WebhookFormat},
+    config::{AlertsConfig, Delivery, WebhookConfig, WebhookFormat},
     logging::Repeats,
     metrics::Metrics,
     present::rfc3339,
@@ -252,18 +252,19 @@ impl Webhooks {
         // Never follow a redirect: a receiver answering 3xx would otherwise have the whole alert
         // (pids, sockets, namespaces) re-posted wherever its Location points. A 3xx is a failed
         // delivery naming the status and the Location, retried like any failure.
+        // Each receiver's timeout is set on its requests (see `deliver`).
         let client = reqwest::Client::builder()
-            .timeout(alerts.timeout)
             .user_agent(concat!("connreap/", env!("CARGO_PKG_VERSION")))
             .redirect(reqwest::redirect::Policy::none())
             .build()
             .map_err(|e| anyhow::anyhow!("cannot build the webhook HTTP client: {e}"))?;
         let mut receivers = Vec::new();
         for cfg in cfgs {
+            let delivery = cfg.delivery(alerts);
             let q = Arc::new(Queue {
                 items: Mutex::new(VecDeque::new()),
                 notify: Notify::new(),
-                capacity: alerts.queue_capacity,
+                capacity: delivery.queue_capacity,
                 receiver: receiver::name(&cfg.url),
                 drops: Mutex::new(Repeats::new(DROP_LOG_EVERY)),
             });
@@ -272,8 +273,7 @@ impl Webhooks {
                 client.clone(),
                 cfg.url.clone(),
                 q.clone(),
-                alerts.max_backoff,
-                alerts.timeout,
+                delivery,
                 metrics.clone(),
             );
             tasks.spawn(format!("webhook sender {}", q.receiver), sender);
@@ -366,10 +366,14 @@ async fn deliver(
     client: reqwest::Client,
     url: String,
     q: Arc<Queue>,
-    max_backoff: Duration,
-    timeout: Duration,
+    delivery: Delivery,
     metrics: Arc<Metrics>,
 ) {
+    let Delivery {
+        timeout,
+        max_backoff,
+        ..
+    } = delivery;
     let mut backoff = MIN_BACKOFF;
     loop {
         let next = q.items().front().cloned();
@@ -377,7 +381,12 @@ async fn deliver(
             q.notify.notified().await;
             continue;
         };
-        let result = client.post(&url).json(&item.body).send().await;
+        let result = client
+            .post(&url)
+            .timeout(timeout)
+            .json(&item.body)
+            .send()
+            .await;
         match result {
             Ok(resp) if resp.status().is_success() => {
                 metrics.webhook_sent(&q.receiver, true);

@@ -154,7 +154,7 @@ fn a_queue_overflow_is_logged_as_counts_not_one_line_per_drop() {
         .collect();
     let config = Config::alerting(&dir)
         .detect("close_wait_min_age = \"1s\"\nclose_wait_threshold = 2")
-        .alerts("queue_capacity = 1");
+        .webhook_delivery("queue_capacity = 1");
     let mut agent = Agent::start(&ns, &dir, &config);
     let series = format!(r#"connreap_webhook_dropped_total{{receiver="http://{HOOK}/alerts"}}"#);
     // One per port fires; the queue holds one (the sender may hold another in flight).

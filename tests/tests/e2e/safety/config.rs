@@ -63,12 +63,18 @@ fn absurd_files() -> Vec<(String, usize, &'static str)> {
             8,
             "quota[0] (relay).max_body",
         ),
-        ("[alerts]\ntimeout = \"0s\"\n".into(), 2, "alerts.timeout"),
         (
-            "[alerts]\nmax_backoff = \"0s\"\n".into(),
-            2,
-            "alerts.max_backoff",
+            "[[webhook]]\nurl = \"http://127.0.0.1:9999/alerts\"\ntimeout = \"0s\"\n".into(),
+            3,
+            "webhook[0].timeout",
         ),
+        (
+            "[[webhook]]\nurl = \"http://127.0.0.1:9999/alerts\"\nmax_backoff = \"0s\"\n".into(),
+            3,
+            "webhook[0].max_backoff",
+        ),
+        // The old location is still checked.
+        ("[alerts]\ntimeout = \"0s\"\n".into(), 2, "alerts.timeout"),
         (
             "[detect]\nstorm_rate = nan\n".into(),
             2,
@@ -308,9 +314,9 @@ fn retries_to_a_down_receiver_are_paced() {
     // A quota source nobody serves: quota_source_unavailable fires at once, and its webhook
     // goes to a receiver nobody serves either.
     let text = format!(
-        "[agent]\nlisten = \"{API}\"\nscan_interval = \"1s\"\n\n[alerts]\nmax_backoff = \"1s\"\n\
-         timeout = \"1s\"\n\n[reclaim]\naudit_log = \"{}\"\n\n[[webhook]]\n\
-         url = \"http://127.0.0.1:9999/alerts\"\n\n{QUOTA}poll_interval = \"1s\"\n",
+        "[agent]\nlisten = \"{API}\"\nscan_interval = \"1s\"\n\n\
+         [reclaim]\naudit_log = \"{}\"\n\n[[webhook]]\nurl = \"http://127.0.0.1:9999/alerts\"\n\
+         max_backoff = \"1s\"\ntimeout = \"1s\"\n\n{QUOTA}poll_interval = \"1s\"\n",
         dir.path("audit.jsonl").display()
     );
     let path = dir.write("connreap.toml", &text);
