@@ -23,8 +23,8 @@ settings! {
         #[serde(with = "humantime_serde")]
         scan_interval: Duration = secs(5), range(ms(100), secs(HOUR));
         /// How often each network namespace other than connreap's own is walked whole (each
-        /// walk passes over every TCP socket of the host: at 100 namespaces, walking each on
-        /// every scan cost 1.27 s of CPU per scan). Between walks its sockets held by a process
+        /// walk passes over every TCP socket of the host, so walking 100 namespaces on every
+        /// scan costs far more CPU than the scan itself: measure 7 in BENCHMARKS.md). Between walks its sockets held by a process
         /// are read on every scan; those no process holds (TIME_WAIT, SYN_RECV, orphans, not
         /// yet accepted) are carried from its last walk. 0s: every namespace on every scan.
         #[serde(with = "humantime_serde")]
