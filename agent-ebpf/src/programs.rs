@@ -92,10 +92,10 @@ pub(crate) fn offsets_set(program: &str, meta: u64) -> bool {
     if off!(valid) == KernelOffsets::MAGIC as u64 {
         return true;
     }
-    // SAFETY: meta points at struct bpf_iter_meta { seq, session_id, seq_num }.
     let seq_num = if meta == 0 {
         0
     } else {
+        // SAFETY: meta points at struct bpf_iter_meta { seq, session_id, seq_num }.
         unsafe { *(meta as *const u64).add(2) }
     };
     if seq_num == 0 {
