@@ -1,25 +1,36 @@
 //! `cargo xtask bench`: measures connreap against its targets on this machine and writes
-//! BENCHMARKS.md (or target/bench-smoke.md with `--smoke`).
+//! BENCHMARKS.md (or target/bench-smoke.md with `--smoke`). xtask calls [`run`] and
+//! [`worker`]; it builds the agent first and hands over the command that builds for the BPF
+//! target ([`Builds`]).
 //!
 //! The bench makes its own load, loopback only and inside network namespaces it creates and
 //! deletes: a connect/accept/send/close churn, socket holders (this binary re-executed as
 //! `bench-worker holder`), CLOSE_WAIT groups and a webhook receiver. It holds the e2e tests' lock
 //! (both use the host-wide pinned tracker, which the bench unpins), and every change it makes
 //! (namespaces, processes, kernel.bpf_stats_enabled, the pinned tracker) is undone by a guard.
-pub(crate) mod agent;
+//!
+//! One file per measure: probe.rs (1, with probe_parts.rs for `--probe-parts`), churn.rs (2),
+//! snapshot.rs (3), memory_cpu.rs (4 and 6, one daemon observed at measure 3's largest size),
+//! latency.rs (5), namespaces.rs (7). The tools they share: agent.rs (the agent binary, its
+//! daemon and a webhook receiver), load.rs (the load generators), proc.rs (processes, times,
+//! /proc), sys.rs (namespaces, sysctls, signals, the e2e lock), scan_split.rs (where a
+//! snapshot's time goes), report.rs (rows, BENCHMARKS.md), profile.rs (`--profile`: perf),
+//! baseline/ (`--baseline`: an older build timed side by side).
+pub mod agent;
 mod baseline;
-mod footprint;
+mod churn;
+mod latency;
 mod load;
-mod measure;
-mod netns;
-mod parts;
+mod memory_cpu;
+mod namespaces;
 mod probe;
-mod proc;
+mod probe_parts;
+pub mod proc;
 mod profile;
 mod report;
-mod scale;
-mod split;
-pub(crate) mod sys;
+mod scan_split;
+mod snapshot;
+pub mod sys;
 
 use std::{
     path::{Path, PathBuf},
@@ -27,7 +38,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context as _, Result};
 
 pub use load::{worker, WorkerArgs};
 use report::{Row, Verdict};
@@ -44,8 +55,11 @@ pub struct BenchArgs {
     /// Also exit non-zero when a target is missed.
     #[arg(long)]
     strict: bool,
-    /// Skip the diagnostics that explain figures (perf profiles, the gdb malloc_trim step).
+    /// Also run the diagnostics that explain figures (perf profiles, the gdb malloc_trim step).
     #[arg(long)]
+    profile: bool,
+    /// The default now (profiles are opt-in with `--profile`); kept so older command lines work.
+    #[arg(long, hide = true, conflicts_with = "profile")]
     no_profile: bool,
     /// Also measure what each part of the tracker costs (measure 1), from bench-only builds of
     /// it (builds an extra agent per variant first: a few minutes).
@@ -80,6 +94,40 @@ pub struct BenchArgs {
     baseline_label: Option<String>,
 }
 
+/// What xtask builds for the bench: the release agent (around the shipped BPF object), and the
+/// `cargo SUBCOMMAND` that builds agent-ebpf for the BPF target (toolchain checked, no tracker
+/// variant selected), which `--probe-parts` runs in a target directory of its own.
+pub struct Builds {
+    pub agent: fn() -> Result<()>,
+    pub ebpf_cargo: fn(&str) -> Result<Command>,
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("the bench lives in xtask/bench of the workspace")
+        .to_path_buf()
+}
+
+/// The release agent `cargo xtask build` makes.
+pub fn agent_bin() -> PathBuf {
+    root().join("target/release/connreap")
+}
+
+/// Run `cmd` (echoed first); fail on a non-zero exit.
+pub fn run_cmd(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("failed to start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
 /// State shared between measures (later ones reuse earlier figures in their diagnosis).
 pub struct Ctx {
     pub smoke: bool,
@@ -111,7 +159,7 @@ impl Ctx {
         Ctx {
             smoke: args.smoke,
             parts: args.probe_parts,
-            perf: !args.no_profile && profile::available(),
+            perf: args.profile && profile::available(),
             dir,
             idle_rss_kb: None,
             idle_kinds: None,
@@ -136,15 +184,15 @@ type Measure = fn(&mut Ctx) -> Result<Vec<Row>>;
 /// measures reuse its per-run costs in their diagnosis.
 const MEASURES: [(&str, &[u8], &str, Measure); 5] = [
     ("1", &[1], "probe cost", probe::probe_cost),
-    ("2", &[2], "churn overhead", measure::churn_overhead),
-    ("5", &[5], "detection latency", measure::detection),
+    ("2", &[2], "churn overhead", churn::churn_overhead),
+    ("5", &[5], "detection latency", latency::detection),
     (
         "3",
         &[3, 4, 6],
         "snapshot at scale, memory, CPU",
-        scale::scale,
+        snapshot::snapshot_at_scale,
     ),
-    ("7", &[7], "many namespaces", netns::namespaces),
+    ("7", &[7], "many namespaces", namespaces::namespaces),
 ];
 
 const METHODS: &str = "\
@@ -244,19 +292,18 @@ fn machine(built: &str) -> String {
             .unwrap_or_default()
     };
     let date = out(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]));
-    let rev =
-        out(Command::new("git")
-            .current_dir(crate::root())
-            .args(["rev-parse", "--short", "HEAD"]));
+    let rev = out(Command::new("git")
+        .current_dir(root())
+        .args(["rev-parse", "--short", "HEAD"]));
     let dirty = !out(Command::new("git")
-        .current_dir(crate::root())
+        .current_dir(root())
         .args(["status", "--porcelain"]))
     .is_empty();
     format!(
         "Machine: {cores} cores ({model}), {mem_gib:.0} GiB, {os}, kernel {}; {}. Date: {date}. \
          Source: commit {rev}{}; agent binary built {built}.",
         read("/proc/sys/kernel/osrelease").trim(),
-        scale::ss_version(),
+        snapshot::ss_version(),
         if dirty {
             " with uncommitted changes"
         } else {
@@ -304,8 +351,8 @@ fn wait_quiet(max: Duration) -> Result<Vec<String>> {
     }
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
-    let (dir, built, base) = prepare(&args)?;
+pub fn run(args: BenchArgs, builds: &Builds) -> Result<()> {
+    let (dir, built, base) = prepare(&args, builds)?;
     let busy = wait_quiet(Duration::from_secs(args.wait_quiet))?;
     let (lock, waited) = sys::e2e_lock(Duration::from_secs(args.wait_quiet.max(60)))?;
     let pins = agent::PinRestore::new();
@@ -335,26 +382,29 @@ pub fn run(args: BenchArgs) -> Result<()> {
 /// Build (unless `--no-build`), check the machine, and copy the agent (and, with
 /// `--probe-parts`, build its variants; with `--baseline-commit`, build the baseline) into the
 /// bench's directory; returns that directory, when the agent binary was built, and the baseline.
-fn prepare(args: &BenchArgs) -> Result<(PathBuf, String, Option<baseline::Baseline>)> {
+fn prepare(
+    args: &BenchArgs,
+    builds: &Builds,
+) -> Result<(PathBuf, String, Option<baseline::Baseline>)> {
     if !args.no_build {
-        crate::build_agent()?;
+        (builds.agent)()?;
     }
     preflight()?;
     sys::install_signal_handlers();
     sys::remove_stale_namespaces();
-    let dir = crate::root().join("target/bench-tmp");
+    let dir = root().join("target/bench-tmp");
     std::fs::create_dir_all(&dir)?;
     let built = Command::new("date")
         .arg("-u")
         .arg("-r")
-        .arg(crate::agent_bin())
+        .arg(agent_bin())
         .arg("+%Y-%m-%d %H:%M UTC")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     agent::use_copy_in(&dir)?;
     if args.probe_parts {
-        parts::build(&dir)?;
+        probe_parts::build(&dir, builds)?;
     }
     let base = baseline::resolve(args, &dir)?;
     if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) && !args.only.contains(&7)
@@ -468,7 +518,7 @@ fn write_report(
         (
             "connreap benchmarks",
             "cargo xtask bench",
-            crate::root().join("BENCHMARKS.md"),
+            root().join("BENCHMARKS.md"),
         )
     };
     let header = report::Header {

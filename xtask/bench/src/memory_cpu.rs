@@ -7,7 +7,7 @@ use std::{
 
 use anyhow::Result;
 
-use super::{
+use crate::{
     agent::{Daemon, Scrape},
     proc, profile,
     report::{ms, Row, Verdict},

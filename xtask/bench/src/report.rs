@@ -60,6 +60,17 @@ impl Row {
     }
 }
 
+/// The median (the mean of the middle two for an even count); NaN for none.
+pub fn median(v: &[f64]) -> f64 {
+    let mut v = v.to_vec();
+    v.sort_by(|a, b| a.total_cmp(b));
+    match v.len() {
+        0 => f64::NAN,
+        n if n % 2 == 1 => v[n / 2],
+        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
+    }
+}
+
 pub fn ms(d: std::time::Duration) -> String {
     let ms = d.as_secs_f64() * 1e3;
     if ms >= 100.0 {

@@ -19,7 +19,7 @@ use std::{path::Path, time::Duration};
 use anyhow::{bail, Result};
 
 use super::{judge, order, Baseline, Pins, PIN_ROOT, TARGET};
-use crate::bench::{
+use crate::{
     agent::{Daemon, Side},
     load::Holders,
     proc,

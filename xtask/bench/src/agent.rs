@@ -13,7 +13,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use super::{
+use crate::{
     proc::Proc,
     sys::{self, NsHandle},
 };
@@ -76,7 +76,7 @@ pub struct PinRestore {
 }
 
 impl PinRestore {
-    pub fn new() -> PinRestore {
+    pub(crate) fn new() -> PinRestore {
         PinRestore {
             was_pinned: is_pinned(),
         }

@@ -12,14 +12,14 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use super::{
+use crate::{
     agent::{self, Daemon, Side},
     baseline::{self, Baseline},
-    footprint,
     load::{self, Holders},
+    memory_cpu,
     proc::{self, Timed},
     report::{ms, Row, Verdict},
-    split::ScanSplit,
+    scan_split::ScanSplit,
     sys::{NetNs, NsHandle},
     Ctx,
 };
@@ -171,15 +171,6 @@ fn ss_loop_count(names: &[String]) -> Result<usize> {
     Ok(String::from_utf8_lossy(&out.stdout).lines().count())
 }
 
-fn median(mut v: Vec<Timed>) -> Timed {
-    v.sort_by_key(|t| t.wall);
-    v[v.len() / 2]
-}
-
-fn fmt_t(t: &Timed) -> String {
-    format!("{} (user {}, sys {})", ms(t.wall), ms(t.user), ms(t.sys))
-}
-
 /// Every round's times: connreap's snapshot, the `ss -tanp` loop and the `ss -tan` loop.
 struct Rounds {
     snap: Vec<Timed>,
@@ -255,9 +246,9 @@ fn snapshot_row(
     split: &ScanSplit,
 ) -> Row {
     let (snap, ssp, ss) = (
-        median(r.snap.clone()),
-        median(r.ssp.clone()),
-        median(r.ss.clone()),
+        Timed::median(r.snap.clone()),
+        Timed::median(r.ssp.clone()),
+        Timed::median(r.ss.clone()),
     );
     let ratio = snap.wall.as_secs_f64() / ssp.wall.as_secs_f64().max(1e-9);
     let each = |v: &[Timed]| v.iter().map(|t| ms(t.wall)).collect::<Vec<_>>().join(", ");
@@ -321,9 +312,9 @@ fn snapshot_row(
         vec![format!(
             "`connreap snapshot --json` took {} for all namespaces; the `ss -tanp` loop {}, of \
              which the same loop without `-p` (no owner walk over /proc) takes {}.",
-            fmt_t(&snap),
-            fmt_t(&ssp),
-            fmt_t(&ss)
+            snap.show(),
+            ssp.show(),
+            ss.show()
         )]
     } else {
         vec![]
@@ -335,7 +326,7 @@ fn snapshot_row(
             2 * size.conns
         ),
         result: format!("{ratio:.3}×"),
-        figures: format!("connreap {}; the loop {}", fmt_t(&snap), fmt_t(&ssp)),
+        figures: format!("connreap {}; the loop {}", snap.show(), ssp.show()),
         target: format!("≤ {VS_LOOP}×"),
         verdict,
         details,
@@ -407,7 +398,7 @@ fn observe(ctx: &Ctx, size: &Size, walk: &str, side: Option<&Baseline>) -> Resul
         wall,
         rss,
         hwm: proc::status_kb(d.pid(), "VmHWM")?,
-        kinds: footprint::kinds(d.pid())?,
+        kinds: memory_cpu::kinds(d.pid())?,
         sockets: m1.sum("connreap_sockets"),
     };
     drop(d);
@@ -481,7 +472,7 @@ fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
         .iter()
         .map(|k| format!("{:.1}", *k as f64 / 1024.0))
         .collect();
-    let verdict = Verdict::of(peak <= footprint::RSS_TARGET_MB);
+    let verdict = Verdict::of(peak <= memory_cpu::RSS_TARGET_MB);
     let facts = vec![
         format!(
             "VmRSS (MB) after each of {} scans, from the 3rd scan on: {} (the largest is judged); \
@@ -500,7 +491,7 @@ fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
             "largest VmRSS sampled after each scan; VmHWM {:.1} MB",
             o.hwm as f64 / 1024.0
         ),
-        target: format!("≤ {} MB", footprint::RSS_TARGET_MB),
+        target: format!("≤ {} MB", memory_cpu::RSS_TARGET_MB),
         verdict,
         details: facts.clone(),
         diagnosis: if verdict == Verdict::Miss {
