@@ -1,11 +1,11 @@
 //! Measure 2: churn throughput with the agent attached ÷ detached.
 use std::time::Duration;
 
-use anyhow::Result;
+use anyhow::{Context as _, Result};
 
 use crate::{
     agent::{self, Daemon},
-    load, proc,
+    load,
     report::{median, ms, Row, Verdict},
     sys::{self, NetNs, NsHandle},
     Ctx,
@@ -92,17 +92,18 @@ fn churn_rounds(ctx: &Ctx, h: &NsHandle, pairs: usize, interval: f64) -> Result<
         for attached in order {
             sys::check_interrupted()?;
             if attached {
-                let d = Daemon::start(h, &ctx.dir, "churn", &format!("{interval}s"), "")?;
+                let mut d = Daemon::start(h, &ctx.dir, "churn", &format!("{interval}s"), "")?;
                 // Start half an interval after a scan: exactly one scan falls in each round.
                 sys::sleep(round / 2)?;
-                let (u0, s0) = proc::cpu_times(d.pid())?;
-                let m0 = d.scrape()?;
-                let c = load::churn(h, WORKERS, round)?;
-                let (u1, s1) = proc::cpu_times(d.pid())?;
-                let m1 = d.scrape()?;
-                r.cpu += (u1 + s1).saturating_sub(u0 + s0);
-                r.scans += m1.scans() - m0.scans();
-                r.scan_s += m1.scan_seconds() - m0.scan_seconds();
+                let mut churn = None;
+                let w = d.window(1, |_| {
+                    churn = Some(load::churn(h, WORKERS, round)?);
+                    Ok(())
+                })?;
+                let c = churn.context("the churn ran")?;
+                r.cpu += w.cpu();
+                r.scans += w.scans();
+                r.scan_s += w.scan_seconds();
                 r.with_conns += c.conns;
                 r.log.push(format!("with {:.0}/s", c.rate()));
                 r.with.push(c.rate());

@@ -1,5 +1,5 @@
 //! Results: one row per measure, the console table and the markdown report.
-use std::fmt::Write as _;
+use std::{fmt::Write as _, process::Command};
 
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -46,17 +46,43 @@ pub struct Row {
 }
 
 impl Row {
-    pub fn failed(id: &'static str, name: &str, err: &anyhow::Error) -> Row {
+    /// A row without details or diagnosis.
+    pub fn new(
+        id: &'static str,
+        name: String,
+        result: String,
+        figures: String,
+        target: String,
+        verdict: Verdict,
+    ) -> Row {
         Row {
             id,
-            name: name.to_string(),
-            result: "-".into(),
-            figures: format!("bench error: {err:#}"),
-            target: "-".into(),
-            verdict: Verdict::Failed,
+            name,
+            result,
+            figures,
+            target,
+            verdict,
             details: vec![],
             diagnosis: vec![],
         }
+    }
+
+    /// A row with no target.
+    pub fn info(id: &'static str, name: String, result: String, figures: String) -> Row {
+        let target = "none set (informational)".to_string();
+        Row::new(id, name, result, figures, target, Verdict::Info)
+    }
+
+    pub fn failed(id: &'static str, name: &str, err: &anyhow::Error) -> Row {
+        let figures = format!("bench error: {err:#}");
+        Row::new(
+            id,
+            name.into(),
+            "-".into(),
+            figures,
+            "-".into(),
+            Verdict::Failed,
+        )
     }
 }
 
@@ -183,4 +209,124 @@ pub fn markdown(h: &Header, rows: &[Row]) -> String {
     }
     let _ = writeln!(md, "## How each figure is measured\n\n{}", h.methods);
     md
+}
+
+/// How each measure is taken (the report's methods section).
+pub const METHODS: &str = "\
+The **churn load** (measures 1 and 2): two threads in a namespace each loop connect (from one of \
+64 source addresses 127.0.100+w.x, IP_BIND_ADDRESS_NO_PORT) → accept → client sends 64 B → server \
+reads and closes first → client reads EOF and closes (10 TCP state transitions per connection). \
+Before measuring, it runs until the namespace's TIME_WAIT table is at its cap \
+(net.ipv4.tcp_max_tw_buckets), the steady state of a busy server.
+
+1. **Probe cost**: `kernel.bpf_stats_enabled=1` for the windows only (restored after). \
+`connreap_bpf_program_run_time_seconds_total` and `connreap_bpf_program_runs_total` from the daemon's /metrics, read \
+after a scan before the load and after the second scan after it; avg = Δrun_time / Δruns. Window A \
+(judged): the daemon scans an empty namespace every 1 s, so only the churn runs in the churn's \
+namespace. Window B: the daemon runs in the churn's namespace at the default 5 s interval (its \
+iterator figures are per socket / per file). Then, with stats off and a daemon that reads the ring \
+but does not scan, `perf record -a` during 3 s more of churn splits the tracker's kernel time by part. \
+With `--probe-parts`, bench-only builds of the tracker (no event ring; no state table; count only; the hash map the table replaced; 32-event ring records) \
+run in alternated 3 s windows next to the shipped one, so each part's cost is a difference \
+measured in the same run.
+2. **Churn overhead**: rounds of one scan interval (5 s), alternated ABBA: *detached* after \
+`connreap unpin` with no daemon, *attached* with the tracker pinned and `connreap run` (defaults, \
+scan_interval 5s) in the churn's namespace, the round starting half an interval after its first \
+scan so exactly one scan falls in it. Ratio of the medians (connections/s); bpf_stats off.
+3. **Snapshot at scale**: holder processes (this binary re-executed, soft RLIMIT_NOFILE raised to \
+the 20000 hard limit) each hold N loopback connections, both ends, to a listener on 127.0.i.1 in a \
+fresh namespace (10k: 1 × 5000 connections; 100k: 6 × 8500). Before they connect, three snapshots \
+of the empty namespace give the fixed cost (and attach the tracker, so every age is exact). Each \
+round runs `connreap snapshot --json`, `ss -tanp`, `ss -tan` in the namespace (setns, like \
+`nsenter --net`), stdout to /dev/null; wall time spawn→exit, CPU from wait4; medians of 5 rounds. \
+One extra snapshot is parsed to check that it sees every socket, with its owner. With `--baseline \
+PATH` (or `--baseline-commit REV`, which builds one), an older connreap is timed too, on the same \
+sockets: `connreap snapshot --json` (old builds know no `--netns` and dump their own namespace \
+only) with its own pin root (CONNREAP_PIN_ROOT=/sys/fs/bpf/connreap-baseline, removed at the end), \
+against this build's `snapshot --json --netns host`; both warmed up, their row counts compared, \
+then 10 alternated ABBA blocks (ABBA BAAB ...); ratio of the medians, target ≤ 1.05×.
+4. **Memory**: `connreap run` (scan_interval 5s) in the 100k namespace; VmRSS from \
+/proc/PID/status after 3 scans and then once per scan through the 60 s CPU window (the largest is \
+judged), VmHWM, resident memory by kind from /proc/PID/smaps, and the idle daemon of measure 1 as \
+the baseline. With gdb installed, `malloc_trim(0)` is called in the daemon at the very end to \
+separate live memory from memory glibc keeps after the scans free it.
+5. **Detection latency**: a daemon with scan_interval 5s, close_wait_min_age 2s, \
+close_wait_threshold 16 and a `[[webhook]]` (format json) to a receiver the bench runs in the \
+namespace. Per trial, 16 connections to a new local port; closing the server ends at T0 puts the \
+client ends in CLOSE_WAIT; they cross the threshold at T0 + 2 s; latency = arrival of the \
+`close_wait_buildup` firing POST for that port − (T0 + 2 s). Trials place the crossing 5 %, 50 % \
+and 95 % of an interval after a scan (5 %: the scan just missed it, the worst case).
+6. **Daemon CPU**: (utime + stime) of the daemon from /proc/PID/stat over 60 s with the 100k idle \
+sockets and scan_interval 5s, as % of one core; then `perf record -p` over two scans.
+7. **Many namespaces**: 100 namespaces (`ip netns add`, `lo` up), each with one holder process \
+keeping 500 loopback connections (1000 sockets) to its own listener: 100k sockets in total. \
+Alternated rounds (3; the snapshot first in odd rounds, last in even ones) time \
+`connreap snapshot --json` in the host namespace (every namespace: the bench's, the host's and \
+any other) against the loop a user would script, `nsenter --net=/run/netns/NAME ss -tanp` for \
+each of the bench's namespaces in turn in one `sh` (wall time of the whole loop, CPU of the shell \
+and its children from wait4), and the same loop with `ss -tan`; medians. One extra snapshot is \
+parsed to check that it sees every held socket in its namespace, with its owner. Then \
+`connreap run` (scan_interval 2s) in a namespace of its own, twice, one after the other: with \
+`netns_walk_interval = \"0s\"` (every namespace walked on every scan) and with \
+`netns_walk_interval = \"20s\"` (10 scans: each namespace walked once in the window, the others \
+read by the owner dump's pass over processes' files): after 2 scans, (utime + stime) from \
+/proc/PID/stat over 10 scans ÷ the scans /metrics counted, their ratio, and VmRSS after each \
+scan of the second daemon (the largest is judged). With a baseline that knows namespaces, the \
+second daemon's window again, current and baseline alternated (2 ABBA blocks), ratio of the \
+medians, target ≤ 1.05×.
+
+Profiles (perf) and the gdb step only explain figures; they run with `--profile`. The agent binary \
+is copied to target/bench-tmp/ at the start and that copy is used throughout. `--smoke` runs the \
+same code with ~1k sockets (measure 7: 5 namespaces × 100 sockets), 1-2 s windows and a 1-2 s \
+scan interval: it checks the bench, its figures are not representative.";
+
+/// The machine, the source and the binary the report speaks of.
+pub fn machine(built: &str) -> String {
+    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+    let cpuinfo = read("/proc/cpuinfo");
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| {
+            l.strip_prefix("model name")?
+                .split_once(':')
+                .map(|x| x.1.trim())
+        })
+        .unwrap_or("unknown CPU")
+        .to_string();
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let mem_gib = read("/proc/meminfo")
+        .lines()
+        .find_map(|l| l.strip_prefix("MemTotal:"))
+        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
+        .map_or(0.0, |kb| kb / 1024.0 / 1024.0);
+    let os = read("/etc/os-release")
+        .lines()
+        .find_map(|l| l.strip_prefix("PRETTY_NAME="))
+        .map(|s| s.trim_matches('"').to_string())
+        .unwrap_or_default();
+    let out = |c: &mut Command| {
+        c.output()
+            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
+            .unwrap_or_default()
+    };
+    let date = out(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]));
+    let rev =
+        out(Command::new("git")
+            .current_dir(crate::root())
+            .args(["rev-parse", "--short", "HEAD"]));
+    let dirty = !out(Command::new("git")
+        .current_dir(crate::root())
+        .args(["status", "--porcelain"]))
+    .is_empty();
+    format!(
+        "Machine: {cores} cores ({model}), {mem_gib:.0} GiB, {os}, kernel {}; {}. Date: {date}. \
+         Source: commit {rev}{}; agent binary built {built}.",
+        read("/proc/sys/kernel/osrelease").trim(),
+        crate::snapshot::ss_version(),
+        if dirty {
+            " with uncommitted changes"
+        } else {
+            ""
+        }
+    )
 }

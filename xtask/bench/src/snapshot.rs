@@ -1,9 +1,6 @@
 //! Measure 3 (snapshot at scale), with loopback connections held open by holder processes in a
 //! namespace; measures 4 and 6 (`footprint`) then run a daemon in the largest one.
-use std::{
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::{process::Command, time::Duration};
 
 use anyhow::{bail, Context, Result};
 
@@ -25,16 +22,7 @@ const VS_SS: f64 = 1.5;
 /// Sockets and owner-attributed sockets in one `connreap snapshot --json`, and how many have
 /// an exact age (the tracker saw them being created).
 fn verify_snapshot(ns: &NsHandle) -> Result<(usize, usize, usize)> {
-    let out = ns
-        .command(agent::bin())
-        .args(["snapshot", "--json"])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()?;
-    if !out.status.success() {
-        bail!("connreap snapshot --json failed: {}", out.status);
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let v = agent::snapshot_json(ns, &[])?;
     let socks = v["sockets"].as_array().context("no sockets in snapshot")?;
     let owned = socks.iter().filter(|s| s["pid"].is_u64()).count();
     let exact = socks.iter().filter(|s| s["age_exact"] == true).count();
