@@ -69,19 +69,22 @@ pub fn bpf_object() -> PathBuf {
 
 /// The release binary (target/release/connreap) must carry the BPF object just built by
 /// `build_ebpf` (a plain build: no tracker variant, see agent-ebpf's build.rs) byte for byte,
-/// and that object must differ from the bench-only tracker last built under
-/// target/bench-variants. Run after `build_ebpf` and the release build.
+/// and that object must differ from every bench-only tracker built so far (the objects
+/// `cargo xtask bench --probe-parts` keeps in target/bench-variants/objects). Run after
+/// `build_ebpf` and the release build.
 pub fn embedded_object() -> Result<()> {
     let object =
         fs::read(bpf_object()).with_context(|| format!("read {}", bpf_object().display()))?;
     let bin = fs::read(crate::agent_bin())
         .with_context(|| format!("read {}", crate::agent_bin().display()))?;
-    let variant = root().join(format!(
-        "target/bench-variants/{}/release/connreap-ebpf",
-        crate::BPF_TARGET
-    ));
-    let variant = fs::read(variant).ok();
-    check_embedded(&bin, &object, variant.as_deref()).with_context(|| {
+    let mut variants = Vec::new();
+    if let Ok(dir) = fs::read_dir(root().join("target/bench-variants/objects")) {
+        for entry in dir {
+            let path = entry?.path();
+            variants.push(fs::read(&path).with_context(|| format!("read {}", path.display()))?);
+        }
+    }
+    check_embedded(&bin, &object, &variants).with_context(|| {
         format!(
             "{} and {}",
             crate::agent_bin().display(),
@@ -89,17 +92,19 @@ pub fn embedded_object() -> Result<()> {
         )
     })?;
     eprintln!(
-        "xtask: the release binary embeds the plain BPF object ({} bytes)",
-        object.len()
+        "xtask: the release binary embeds the plain BPF object ({} bytes; {} variant object(s) \
+         differ from it)",
+        object.len(),
+        variants.len()
     );
     Ok(())
 }
 
-fn check_embedded(bin: &[u8], object: &[u8], variant: Option<&[u8]>) -> Result<()> {
+fn check_embedded(bin: &[u8], object: &[u8], variants: &[Vec<u8>]) -> Result<()> {
     if object.is_empty() {
         bail!("the BPF object is empty");
     }
-    if variant == Some(object) {
+    if variants.iter().any(|v| v == object) {
         bail!("the BPF object is a bench-only tracker variant");
     }
     if !bin.windows(object.len()).any(|w| w == object) {
@@ -348,12 +353,14 @@ mod tests {
         let mut bin = b"header ".to_vec();
         bin.extend_from_slice(object);
         bin.extend_from_slice(b" trailer");
-        assert!(super::check_embedded(&bin, object, None).is_ok());
-        assert!(super::check_embedded(&bin, object, Some(b"other")).is_ok());
+        let other = vec![b"other".to_vec()];
+        assert!(super::check_embedded(&bin, object, &[]).is_ok());
+        assert!(super::check_embedded(&bin, object, &other).is_ok());
         // One byte off, a variant, nothing built: each fails.
-        assert!(super::check_embedded(&bin, b"\x7fELF plain trackeR", None).is_err());
-        assert!(super::check_embedded(&bin, object, Some(object)).is_err());
-        assert!(super::check_embedded(&bin, b"", None).is_err());
+        assert!(super::check_embedded(&bin, b"\x7fELF plain trackeR", &[]).is_err());
+        let variants = [other[0].clone(), object.to_vec()];
+        assert!(super::check_embedded(&bin, object, &variants).is_err());
+        assert!(super::check_embedded(&bin, b"", &[]).is_err());
     }
 
     use super::*;

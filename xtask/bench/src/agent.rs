@@ -341,19 +341,19 @@ impl Daemon {
             ns: ns.clone(),
             listen,
         };
-        let end = Instant::now() + Duration::from_secs(60);
-        loop {
-            d.proc
-                .check_alive()
-                .with_context(|| format!("see {}", dir.join(format!("{tag}.log")).display()))?;
-            if d.scrape().is_ok_and(|s| s.scans() >= 1.0) {
-                return Ok(d);
-            }
-            if Instant::now() > end {
-                bail!("connreap run ({tag}) not ready after 60 s");
-            }
-            sys::sleep(Duration::from_millis(100))?;
-        }
+        let what = format!("connreap run ({tag}) to complete a scan");
+        sys::wait_for(
+            &what,
+            Duration::from_secs(60),
+            Duration::from_millis(100),
+            || {
+                d.proc
+                    .check_alive()
+                    .with_context(|| format!("see {}", dir.join(format!("{tag}.log")).display()))?;
+                Ok(d.scrape().is_ok_and(|s| s.scans() >= 1.0).then_some(()))
+            },
+        )?;
+        Ok(d)
     }
 
     pub fn pid(&self) -> u32 {
@@ -371,18 +371,12 @@ impl Daemon {
     /// Wait until `n` more scans have completed; the scrape taken then.
     pub fn wait_scans(&mut self, n: f64, timeout: Duration) -> Result<Scrape> {
         let start = self.scrape()?.scans();
-        let end = Instant::now() + timeout;
-        loop {
+        let what = format!("the daemon to complete {n} scans");
+        sys::wait_for(&what, timeout, Duration::from_millis(50), || {
             self.proc.check_alive()?;
             let s = self.scrape()?;
-            if s.scans() >= start + n {
-                return Ok(s);
-            }
-            if Instant::now() > end {
-                bail!("daemon did not complete {n} scans in {timeout:?}");
-            }
-            sys::sleep(Duration::from_millis(50))?;
-        }
+            Ok((s.scans() >= start + n).then_some(s))
+        })
     }
 }
 

@@ -93,6 +93,15 @@ pub fn build(dir: &Path, builds: &crate::Builds) -> Result<()> {
         let mut bpf = (builds.ebpf_cargo)("build")?;
         bpf.env(VARIANT_ENV, v).env("CARGO_TARGET_DIR", &target);
         crate::run_cmd(&mut bpf)?;
+        // Each variant's object is kept, for the check that the shipped object is none of them
+        // (xtask's shipcheck).
+        let objects = target.join("objects");
+        std::fs::create_dir_all(&objects)?;
+        std::fs::copy(
+            target.join("bpfel-unknown-none/release/connreap-ebpf"),
+            objects.join(v),
+        )
+        .with_context(|| format!("keep the {v} object in {}", objects.display()))?;
         // The agent's copy of connreap-ebpf gets the same variant (shared types such as
         // EVENT_BATCH), and its build.rs embeds the object from this target directory.
         let mut agent = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
