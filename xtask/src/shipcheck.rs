@@ -43,10 +43,19 @@ pub struct Args {
     /// Build the .deb, then install, use, reinstall, remove and purge it (root, Debian).
     #[arg(long)]
     deb: bool,
+    /// Build the BPF object and the release agent, then check that the agent embeds that
+    /// object byte for byte and no bench-only tracker (`dist`, so `--deb`, checks it too).
+    #[arg(long)]
+    object: bool,
 }
 
 pub fn check(args: Args) -> Result<()> {
-    let all = !(args.security || args.manifests || args.deb);
+    let all = !(args.security || args.manifests || args.deb || args.object);
+    if args.object {
+        crate::build_ebpf()?;
+        crate::build_agent_only()?;
+        embedded_object()?;
+    }
     if all || args.security {
         security()?;
     }
