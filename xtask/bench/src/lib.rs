@@ -1,7 +1,6 @@
 //! `cargo xtask bench`: measures connreap against its targets on this machine and writes
 //! BENCHMARKS.md (or target/bench-smoke.md with `--smoke`). xtask calls [`run`] and
-//! [`worker`]; it builds the agent first and hands over the command that builds for the BPF
-//! target ([`Builds`]).
+//! [`worker`], and hands over how it builds the agent and agent-ebpf ([`Builds`]).
 //!
 //! The bench makes its own load, loopback only and inside network namespaces it creates and
 //! deletes: a connect/accept/send/close churn, socket holders (this binary re-executed as
