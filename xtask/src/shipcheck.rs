@@ -5,7 +5,9 @@
 //!   from PyPI, strict) and the PodMonitor and PrometheusRule against prometheus-operator's
 //!   (npm), tools installed under target/xtask-tools; both agree with the shipped rules
 //!   (module `monitoring`);
-//! - `deb`: the .deb installed with dpkg, used, reinstalled, removed and purged (module `debtest`).
+//! - `deb`: the .deb installed with dpkg, used, reinstalled, removed and purged (module `debtest`);
+//! - [`embedded_object`] (with every `cargo xtask test` and `dist`): the release binary embeds,
+//!   byte for byte, the BPF object of a fresh plain build, and no bench-only tracker.
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -41,10 +43,19 @@ pub struct Args {
     /// Build the .deb, then install, use, reinstall, remove and purge it (root, Debian).
     #[arg(long)]
     deb: bool,
+    /// Build the BPF object and the release agent, then check that the agent embeds that
+    /// object byte for byte and no bench-only tracker (`dist`, so `--deb`, checks it too).
+    #[arg(long)]
+    object: bool,
 }
 
 pub fn check(args: Args) -> Result<()> {
-    let all = !(args.security || args.manifests || args.deb);
+    let all = !(args.security || args.manifests || args.deb || args.object);
+    if args.object {
+        crate::build_ebpf()?;
+        crate::build_agent_only()?;
+        embedded_object()?;
+    }
     if all || args.security {
         security()?;
     }
@@ -53,6 +64,60 @@ pub fn check(args: Args) -> Result<()> {
     }
     if all || args.deb {
         crate::debtest::run(&crate::dist::build()?)?;
+    }
+    Ok(())
+}
+
+/// The plain build of agent-ebpf that agent/build.rs embeds.
+pub fn bpf_object() -> PathBuf {
+    root().join(format!(
+        "target/{}/release/connreap-ebpf",
+        crate::BPF_TARGET
+    ))
+}
+
+/// The release binary (target/release/connreap) must carry the BPF object just built by
+/// `build_ebpf` (a plain build: no tracker variant, see agent-ebpf's build.rs) byte for byte,
+/// and that object must differ from every bench-only tracker built so far (the objects
+/// `cargo xtask bench --probe-parts` keeps in target/bench-variants/objects). Run after
+/// `build_ebpf` and the release build.
+pub fn embedded_object() -> Result<()> {
+    let object =
+        fs::read(bpf_object()).with_context(|| format!("read {}", bpf_object().display()))?;
+    let bin = fs::read(crate::agent_bin())
+        .with_context(|| format!("read {}", crate::agent_bin().display()))?;
+    let mut variants = Vec::new();
+    if let Ok(dir) = fs::read_dir(root().join("target/bench-variants/objects")) {
+        for entry in dir {
+            let path = entry?.path();
+            variants.push(fs::read(&path).with_context(|| format!("read {}", path.display()))?);
+        }
+    }
+    check_embedded(&bin, &object, &variants).with_context(|| {
+        format!(
+            "{} and {}",
+            crate::agent_bin().display(),
+            bpf_object().display()
+        )
+    })?;
+    eprintln!(
+        "xtask: the release binary embeds the plain BPF object ({} bytes; {} variant object(s) \
+         differ from it)",
+        object.len(),
+        variants.len()
+    );
+    Ok(())
+}
+
+fn check_embedded(bin: &[u8], object: &[u8], variants: &[Vec<u8>]) -> Result<()> {
+    if object.is_empty() {
+        bail!("the BPF object is empty");
+    }
+    if variants.iter().any(|v| v == object) {
+        bail!("the BPF object is a bench-only tracker variant");
+    }
+    if !bin.windows(object.len()).any(|w| w == object) {
+        bail!("the binary does not embed the BPF object just built, byte for byte");
     }
     Ok(())
 }
@@ -316,6 +381,22 @@ fn configmap_block(yaml: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn embedded_object_checked_byte_for_byte() {
+        let object = b"\x7fELF plain tracker";
+        let mut bin = b"header ".to_vec();
+        bin.extend_from_slice(object);
+        bin.extend_from_slice(b" trailer");
+        let other = vec![b"other".to_vec()];
+        assert!(super::check_embedded(&bin, object, &[]).is_ok());
+        assert!(super::check_embedded(&bin, object, &other).is_ok());
+        // One byte off, a variant, nothing built: each fails.
+        assert!(super::check_embedded(&bin, b"\x7fELF plain trackeR", &[]).is_err());
+        let variants = [other[0].clone(), object.to_vec()];
+        assert!(super::check_embedded(&bin, object, &variants).is_err());
+        assert!(super::check_embedded(&bin, b"", &[]).is_err());
+    }
+
     use super::*;
 
     #[test]

@@ -11,7 +11,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use socket2::{Domain, Socket, Type};
 
-use super::{
+use crate::{
     proc::Proc,
     sys::{self, NsHandle},
 };
@@ -133,7 +133,12 @@ impl Holders {
             h.procs.push((p, stdin));
         }
         for (i, rx) in ready.iter().enumerate() {
-            let line = sys::wait_for("holders", Duration::from_secs(120), || rx.try_recv().ok())?;
+            let line = sys::wait_for(
+                "holders",
+                Duration::from_secs(120),
+                Duration::from_millis(100),
+                || Ok(rx.try_recv().ok()),
+            )?;
             let n: usize = line
                 .trim()
                 .strip_prefix("ready ")

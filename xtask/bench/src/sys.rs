@@ -54,17 +54,23 @@ pub fn sleep(d: Duration) -> Result<()> {
     check_interrupted()
 }
 
-/// Poll `f` until it returns `Some`, failing with `what` after `timeout`.
-pub fn wait_for<T>(what: &str, timeout: Duration, mut f: impl FnMut() -> Option<T>) -> Result<T> {
+/// Poll `f` every `poll` until it returns `Some` (or fails), failing with `what` after
+/// `timeout`.
+pub fn wait_for<T>(
+    what: &str,
+    timeout: Duration,
+    poll: Duration,
+    mut f: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
     let end = Instant::now() + timeout;
     loop {
-        if let Some(v) = f() {
+        if let Some(v) = f()? {
             return Ok(v);
         }
         if Instant::now() > end {
             bail!("timed out after {timeout:?} waiting for {what}");
         }
-        sleep(Duration::from_millis(100))?;
+        sleep(poll)?;
     }
 }
 
