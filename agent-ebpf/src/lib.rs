@@ -278,9 +278,9 @@ pub mod flush {
 /// shared between CPUs on the hot path. Partial batches are sent by `connreap_flush_events`,
 /// which the daemon runs on every CPU on a periodic tick, so no transition waits longer than
 /// one tick. 64 rather than 32 (the `batch32` variant of `cargo xtask bench --probe-parts`,
-/// built with the bench-only feature `bench-batch32`) for a few KB more staging per CPU; the
+/// the bench-only `cfg(tracker_variant = "batch32")`) for a few KB more staging per CPU; the
 /// measured difference is in BENCHMARKS.md.
-pub const EVENT_BATCH: usize = if cfg!(feature = "bench-batch32") {
+pub const EVENT_BATCH: usize = if cfg!(tracker_variant = "batch32") {
     32
 } else {
     64

@@ -12,7 +12,7 @@ mod netns_socks;
 mod programs;
 // The bench-only `hash` tracker keeps its own map: the table's writers are unused there.
 #[cfg(target_arch = "bpf")]
-#[cfg_attr(feature = "bench-hash", allow(dead_code))]
+#[cfg_attr(tracker_variant = "hash", allow(dead_code))]
 mod state;
 #[cfg(target_arch = "bpf")]
 mod tracker;

@@ -4,9 +4,10 @@
 //! transition to userspace through a per-CPU staging batch and the `CONNREAP_EVENTS` ring; plus
 //! `connreap_flush_events`, which the daemon runs on each CPU to send partial batches.
 //!
-//! Bench-only builds of the tracker, to measure what each part of it costs, are cargo features
-//! of this crate that only `cargo xtask bench --probe-parts` enables, one per build (the list:
-//! `VARIANTS` in xtask's bench/parts.rs). The shipped build enables none: the flags below are
+//! Bench-only builds of the tracker, to measure what each part of it costs, are this source
+//! compiled with `cfg(tracker_variant = "...")`, one per build, which build.rs sets only in the
+//! bench's own target directory for `cargo xtask bench --probe-parts` (what each measures:
+//! `VARIANTS` in the bench's probe_parts.rs). The shipped build sets none: the flags below are
 //! then `false` and their branches compile to nothing, and the `hash` variant's map and code
 //! (module `hash`) are not compiled at all.
 use core::ffi::c_void;
@@ -26,7 +27,7 @@ use crate::{
     off,
     programs::{addr16, bump, bump_by, bytes16, sk_field, CONNREAP_EVENTS, CONNREAP_STAGING},
 };
-#[cfg(feature = "bench-hash")]
+#[cfg(tracker_variant = "hash")]
 use hash::track;
 
 #[btf_tracepoint(function = "inet_sock_set_state")]
@@ -42,13 +43,13 @@ pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
 const WAKEUP_BYTES: u64 = 1024 * 1024;
 
 /// Bench-only `count-only`: count the transition and stop (the floor: entry, stats, ctx loads).
-const COUNT_ONLY: bool = cfg!(feature = "bench-count-only");
+const COUNT_ONLY: bool = cfg!(tracker_variant = "count-only");
 /// Bench-only `no-map`: everything but the per-socket state table.
-const NO_MAP: bool = cfg!(feature = "bench-no-map");
+const NO_MAP: bool = cfg!(tracker_variant = "no-map");
 /// Bench-only `no-ring`: everything but the event ring.
-const NO_RING: bool = cfg!(feature = "bench-no-ring");
+const NO_RING: bool = cfg!(tracker_variant = "no-ring");
 /// Bench-only `unbatched`: one ring record per transition (the design before per-CPU batches).
-const UNBATCHED: bool = cfg!(feature = "bench-unbatched");
+const UNBATCHED: bool = cfg!(tracker_variant = "unbatched");
 
 fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     let sk: *const u8 = ctx.arg(0);
@@ -109,7 +110,7 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
 
 /// The transition's timestamp: jiffies, not bpf_ktime_get_ns, a plain load instead of a clock
 /// read, and the unit of the kernel's own TCP timestamps that the iterator reports idle times in.
-#[cfg(not(feature = "bench-ktime"))]
+#[cfg(not(tracker_variant = "ktime"))]
 #[inline(always)]
 fn now() -> u64 {
     // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
@@ -118,7 +119,7 @@ fn now() -> u64 {
 
 /// Bench-only `ktime`: stamp transitions with bpf_ktime_get_ns instead of jiffies (the ages
 /// come out wrong: this build measures the cost only).
-#[cfg(feature = "bench-ktime")]
+#[cfg(tracker_variant = "ktime")]
 #[inline(always)]
 fn now() -> u64 {
     // SAFETY: a helper without arguments that only reads the monotonic clock.
@@ -126,7 +127,7 @@ fn now() -> u64 {
 }
 
 /// Keep the socket's record in the state table: written on every transition, freed on close.
-#[cfg(not(feature = "bench-hash"))]
+#[cfg(not(tracker_variant = "hash"))]
 #[inline(always)]
 fn track(t: &Transition, batch: *mut EventBatch) {
     // The socket's address as a plain number (see EventBatch::scratch and state.rs).
@@ -368,7 +369,7 @@ fn try_flush() -> i32 {
 /// Bench-only `hash`: the per-socket state in the kernel hash map that the set-associative
 /// table of state.rs replaced (allocated per socket, keyed by socket address). Not pinned, so
 /// it lives and dies with the tracker that uses it.
-#[cfg(feature = "bench-hash")]
+#[cfg(tracker_variant = "hash")]
 mod hash {
     use aya_ebpf::{bindings::BPF_F_NO_PREALLOC, macros::map, maps::HashMap};
     use connreap_ebpf::{counter, tcp_state, EventBatch, StateEntry, STATE_MAP_ENTRIES};

@@ -42,19 +42,13 @@ fn dist_dir() -> PathBuf {
     root().join("target/dist")
 }
 
-fn bpf_object() -> PathBuf {
-    root().join(format!(
-        "target/{}/release/connreap-ebpf",
-        crate::BPF_TARGET
-    ))
-}
-
 /// Build everything and the .deb; returns its path.
 pub fn build() -> Result<PathBuf> {
     crate::build_ebpf()?;
-    let object_len = check_object(&bpf_object())?;
+    let object_len = check_object(&crate::shipcheck::bpf_object())?;
     crate::build_agent_only()?;
     check_embedded(&agent_bin(), object_len)?;
+    crate::shipcheck::embedded_object()?;
 
     let dist = dist_dir();
     if dist.exists() {

@@ -17,7 +17,9 @@ use std::{
 use anyhow::{bail, Context, Result};
 use serde_json::Value;
 
-use crate::{bench::sys, image, run};
+use connreap_bench::sys;
+
+use crate::{image, run};
 
 /// The workload's base: python3 for the leaking process.
 const WORKLOAD_IMAGE: &str = "localhost/connreap-test-workload:bookworm";

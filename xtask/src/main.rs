@@ -1,7 +1,6 @@
 //! `cargo xtask`: builds the BPF object and drives everything else (setup, build, run, test,
 //! bench). Every command that needs the BPF toolchain first checks it and installs what is
 //! missing, saying what it installs.
-mod bench;
 mod debtest;
 mod dist;
 mod image;
@@ -12,13 +11,11 @@ mod setup;
 mod shipcheck;
 mod vmtest;
 
-use std::{
-    path::{Path, PathBuf},
-    process::Command,
-};
+use std::process::Command;
 
-use anyhow::{bail, Context, Result};
+use anyhow::{bail, Result};
 use clap::{Parser, Subcommand};
+pub use connreap_bench::{agent_bin, root, run_cmd as run};
 
 #[derive(Parser)]
 #[command(about = "Build, run and test connreap")]
@@ -66,32 +63,14 @@ enum Cmd {
     /// What ships: the unit's security score, the Kubernetes manifests, and (root) the .deb
     /// installed, used and purged. All three without flags.
     ShipCheck(shipcheck::Args),
-    /// Benchmarks; writes BENCHMARKS.md.
-    Bench(bench::BenchArgs),
+    /// Benchmarks (the connreap-bench crate, xtask/bench); writes BENCHMARKS.md.
+    Bench(connreap_bench::BenchArgs),
     /// Load generators the bench re-executes (internal).
     #[command(hide = true)]
-    BenchWorker(bench::WorkerArgs),
+    BenchWorker(connreap_bench::WorkerArgs),
 }
 
 pub const BPF_TARGET: &str = "bpfel-unknown-none";
-
-pub fn root() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR"))
-        .parent()
-        .expect("xtask lives in the workspace")
-        .to_path_buf()
-}
-
-pub fn run(cmd: &mut Command) -> Result<()> {
-    eprintln!("+ {cmd:?}");
-    let status = cmd
-        .status()
-        .with_context(|| format!("failed to start {cmd:?}"))?;
-    if !status.success() {
-        bail!("{cmd:?} failed: {status}");
-    }
-    Ok(())
-}
 
 fn cargo() -> Command {
     let mut c = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
@@ -99,28 +78,10 @@ fn cargo() -> Command {
     c
 }
 
+/// The shipped BPF object, at target/bpfel-unknown-none/release/connreap-ebpf (what
+/// agent/build.rs embeds).
 pub fn build_ebpf() -> Result<()> {
-    build_ebpf_variant(None)
-}
-
-/// The cargo feature of connreap-ebpf that makes the bench-only tracker `variant` (one of
-/// `bench::parts::VARIANTS`; see agent-ebpf's tracker.rs).
-fn variant_feature(variant: &str) -> String {
-    format!("bench-{variant}")
-}
-
-/// The BPF object, or a bench-only variant of the tracker (`variant`: see
-/// [`variant_feature`]); the shipped object is built with no bench feature.
-pub fn build_ebpf_variant(variant: Option<&str>) -> Result<()> {
-    let mut cmd = ebpf_cargo("build")?;
-    cmd.env(
-        "CARGO_ENCODED_RUSTFLAGS",
-        ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
-    );
-    if let Some(v) = variant {
-        cmd.args(["--features", &variant_feature(v)]);
-    }
-    run(&mut cmd)
+    run(&mut ebpf_cargo("build")?)
 }
 
 /// Clippy over the BPF programs, for the BPF target (the host clippy only sees the shared types).
@@ -130,7 +91,9 @@ fn clippy_ebpf() -> Result<()> {
     run(&mut cmd)
 }
 
-/// `cargo SUBCOMMAND` on agent-ebpf with nightly for the BPF target.
+/// `cargo SUBCOMMAND` on agent-ebpf with nightly for the BPF target, with BTF, and without a
+/// bench-only tracker variant (agent-ebpf's build.rs selects one from CONNREAP_TRACKER_VARIANT;
+/// the bench sets it, in a target directory of its own).
 fn ebpf_cargo(subcommand: &str) -> Result<Command> {
     setup::ensure()?;
     let mut cmd = Command::new("rustup");
@@ -140,6 +103,11 @@ fn ebpf_cargo(subcommand: &str) -> Result<Command> {
         .env_remove("RUSTC")
         .env_remove("RUSTC_WORKSPACE_WRAPPER")
         .env_remove("CARGO")
+        .env_remove("CONNREAP_TRACKER_VARIANT")
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            ["-Cdebuginfo=2", "-Clink-arg=--btf"].join("\x1f"),
+        )
         .env("AYA_BPF_TARGET_ARCH", std::env::consts::ARCH)
         .env("PATH", setup::path_with_cargo_bin());
     Ok(cmd)
@@ -152,25 +120,9 @@ pub fn build_agent() -> Result<()> {
 
 /// The agent around whatever BPF object was built last.
 pub fn build_agent_only() -> Result<()> {
-    build_agent_variant(None)
-}
-
-/// The agent around whatever BPF object was built last; a bench-only `variant` enables the same
-/// feature on the agent's copy of connreap-ebpf (the shared types), so both sides agree.
-pub fn build_agent_variant(variant: Option<&str>) -> Result<()> {
-    let mut cmd = cargo();
-    cmd.args(["build", "--release", "--package", "connreap"]);
-    if let Some(v) = variant {
-        cmd.args([
-            "--features",
-            &format!("connreap-ebpf/{}", variant_feature(v)),
-        ]);
-    }
-    run(&mut cmd)
-}
-
-pub fn agent_bin() -> PathBuf {
-    root().join("target/release/connreap")
+    run(cargo()
+        .args(["build", "--release", "--package", "connreap"])
+        .env_remove("CONNREAP_TRACKER_VARIANT"))
 }
 
 /// `systemd-analyze verify` on the unit, with ExecStart pointed at the freshly built binary
@@ -219,7 +171,8 @@ fn main() -> Result<()> {
             run(cargo().args(["fmt", "--all", "--check"]))?;
             run(cargo().args(["clippy", "--all-targets", "--", "-D", "warnings"]))?;
             clippy_ebpf()?;
-            run(cargo().args(["build", "--release", "--package", "connreap"]))?;
+            build_agent_only()?;
+            shipcheck::embedded_object()?;
             run(cargo().args([
                 "test",
                 "--release",
@@ -227,6 +180,8 @@ fn main() -> Result<()> {
                 "connreap",
                 "--package",
                 "xtask",
+                "--package",
+                "connreap-bench",
             ]))?;
             verify_unit()?;
             shipcheck::security()?;
@@ -270,7 +225,13 @@ fn main() -> Result<()> {
             }
         }
         Cmd::ShipCheck(args) => shipcheck::check(args),
-        Cmd::Bench(args) => bench::run(args),
-        Cmd::BenchWorker(args) => bench::worker(args),
+        Cmd::Bench(args) => connreap_bench::run(
+            args,
+            &connreap_bench::Builds {
+                agent: build_agent,
+                ebpf_cargo,
+            },
+        ),
+        Cmd::BenchWorker(args) => connreap_bench::worker(args),
     }
 }

@@ -13,10 +13,9 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use crate::{
-    bench::{agent::Daemon, sys},
-    root, run,
-};
+use connreap_bench::{agent::Daemon, sys};
+
+use crate::{root, run};
 
 fn rules_dir() -> PathBuf {
     root().join("deploy/prometheus")
@@ -130,7 +129,7 @@ pub fn check_metrics(body: &str) -> Result<std::result::Result<(), String>> {
 
 /// GET /metrics asking for the Prometheus text format: (Content-Type, body).
 fn get_text_format(ns: &sys::NsHandle) -> Result<(String, String)> {
-    let addr: SocketAddr = crate::bench::agent::LISTEN.parse()?;
+    let addr: SocketAddr = connreap_bench::agent::LISTEN.parse()?;
     ns.run(move || {
         let mut s = TcpStream::connect_timeout(&addr, Duration::from_secs(2))?;
         s.set_read_timeout(Some(Duration::from_secs(10)))?;

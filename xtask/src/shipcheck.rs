@@ -5,7 +5,9 @@
 //!   from PyPI, strict) and the PodMonitor and PrometheusRule against prometheus-operator's
 //!   (npm), tools installed under target/xtask-tools; both agree with the shipped rules
 //!   (module `monitoring`);
-//! - `deb`: the .deb installed with dpkg, used, reinstalled, removed and purged (module `debtest`).
+//! - `deb`: the .deb installed with dpkg, used, reinstalled, removed and purged (module `debtest`);
+//! - [`embedded_object`] (with every `cargo xtask test` and `dist`): the release binary embeds,
+//!   byte for byte, the BPF object of a fresh plain build, and no bench-only tracker.
 use std::{
     fs,
     path::{Path, PathBuf},
@@ -53,6 +55,55 @@ pub fn check(args: Args) -> Result<()> {
     }
     if all || args.deb {
         crate::debtest::run(&crate::dist::build()?)?;
+    }
+    Ok(())
+}
+
+/// The plain build of agent-ebpf that agent/build.rs embeds.
+pub fn bpf_object() -> PathBuf {
+    root().join(format!(
+        "target/{}/release/connreap-ebpf",
+        crate::BPF_TARGET
+    ))
+}
+
+/// The release binary (target/release/connreap) must carry the BPF object just built by
+/// `build_ebpf` (a plain build: no tracker variant, see agent-ebpf's build.rs) byte for byte,
+/// and that object must differ from the bench-only tracker last built under
+/// target/bench-variants. Run after `build_ebpf` and the release build.
+pub fn embedded_object() -> Result<()> {
+    let object =
+        fs::read(bpf_object()).with_context(|| format!("read {}", bpf_object().display()))?;
+    let bin = fs::read(crate::agent_bin())
+        .with_context(|| format!("read {}", crate::agent_bin().display()))?;
+    let variant = root().join(format!(
+        "target/bench-variants/{}/release/connreap-ebpf",
+        crate::BPF_TARGET
+    ));
+    let variant = fs::read(variant).ok();
+    check_embedded(&bin, &object, variant.as_deref()).with_context(|| {
+        format!(
+            "{} and {}",
+            crate::agent_bin().display(),
+            bpf_object().display()
+        )
+    })?;
+    eprintln!(
+        "xtask: the release binary embeds the plain BPF object ({} bytes)",
+        object.len()
+    );
+    Ok(())
+}
+
+fn check_embedded(bin: &[u8], object: &[u8], variant: Option<&[u8]>) -> Result<()> {
+    if object.is_empty() {
+        bail!("the BPF object is empty");
+    }
+    if variant == Some(object) {
+        bail!("the BPF object is a bench-only tracker variant");
+    }
+    if !bin.windows(object.len()).any(|w| w == object) {
+        bail!("the binary does not embed the BPF object just built, byte for byte");
     }
     Ok(())
 }
@@ -316,6 +367,20 @@ fn configmap_block(yaml: &str) -> Option<String> {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn embedded_object_checked_byte_for_byte() {
+        let object = b"\x7fELF plain tracker";
+        let mut bin = b"header ".to_vec();
+        bin.extend_from_slice(object);
+        bin.extend_from_slice(b" trailer");
+        assert!(super::check_embedded(&bin, object, None).is_ok());
+        assert!(super::check_embedded(&bin, object, Some(b"other")).is_ok());
+        // One byte off, a variant, nothing built: each fails.
+        assert!(super::check_embedded(&bin, b"\x7fELF plain trackeR", None).is_err());
+        assert!(super::check_embedded(&bin, object, Some(object)).is_err());
+        assert!(super::check_embedded(&bin, b"", None).is_err());
+    }
+
     use super::*;
 
     #[test]

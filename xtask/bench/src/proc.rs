@@ -10,7 +10,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use super::sys::{check_interrupted, interrupted};
+use crate::sys::{check_interrupted, interrupted};
 /// A child process: SIGTERM, then SIGKILL after 5 s, and reaped on drop.
 pub struct Proc {
     pub what: String,
@@ -66,6 +66,24 @@ pub struct Timed {
     pub wall: Duration,
     pub user: Duration,
     pub sys: Duration,
+}
+
+impl Timed {
+    /// The run with the median wall time.
+    pub fn median(mut v: Vec<Timed>) -> Timed {
+        v.sort_by_key(|t| t.wall);
+        v[v.len() / 2]
+    }
+
+    /// "wall (user u, sys s)".
+    pub fn show(&self) -> String {
+        format!(
+            "{} (user {}, sys {})",
+            crate::report::ms(self.wall),
+            crate::report::ms(self.user),
+            crate::report::ms(self.sys)
+        )
+    }
 }
 
 fn tv(t: libc::timeval) -> Duration {

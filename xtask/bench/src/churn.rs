@@ -1,13 +1,12 @@
-//! Measures 2 (churn overhead) and 5 (detection latency).
-use std::time::{Duration, Instant};
+//! Measure 2: churn throughput with the agent attached ÷ detached.
+use std::time::Duration;
 
-use anyhow::{Context, Result};
+use anyhow::{Context as _, Result};
 
-use super::{
-    agent::{self, Daemon, Receiver},
-    load::{self, CloseWait},
-    proc,
-    report::{ms, Row, Verdict},
+use crate::{
+    agent::{self, Daemon},
+    load,
+    report::{median, ms, Row, Verdict},
     sys::{self, NetNs, NsHandle},
     Ctx,
 };
@@ -15,15 +14,6 @@ use super::{
 /// Churn threads: one per core of the reference machine.
 pub const WORKERS: u8 = 2;
 const CHURN_TARGET: f64 = 0.98;
-
-fn median(v: &mut [f64]) -> f64 {
-    v.sort_by(|a, b| a.total_cmp(b));
-    match v.len() {
-        0 => f64::NAN,
-        n if n % 2 == 1 => v[n / 2],
-        n => (v[n / 2 - 1] + v[n / 2]) / 2.0,
-    }
-}
 
 /// Measure 2: churn throughput with the agent attached (pinned tracker + daemon) ÷ without (unpinned,
 /// no daemon), alternated ABBA, same namespace.
@@ -35,7 +25,7 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
     agent::connreap(&["unpin", "--force"])?;
     let warm = load::warm_up(&h, WORKERS, ctx.warm_up())?;
     let rounds = churn_rounds(ctx, &h, pairs, interval)?;
-    let tcp_sockets = super::scale::ss_count(&h)?;
+    let tcp_sockets = crate::snapshot::ss_count(&h)?;
     let mut row = churn_row(&rounds, pairs, warm, tcp_sockets);
     explain_churn(ctx, &rounds, &mut row);
     Ok(vec![row])
@@ -60,10 +50,7 @@ struct ChurnRounds {
 impl ChurnRounds {
     /// Median connections/s (attached, detached).
     fn medians(&self) -> (f64, f64) {
-        (
-            median(&mut self.with.clone()),
-            median(&mut self.without.clone()),
-        )
+        (median(&self.with), median(&self.without))
     }
 
     /// Each ABBA pair's own ratio: how far the machine drifts between rounds of one condition.
@@ -105,17 +92,18 @@ fn churn_rounds(ctx: &Ctx, h: &NsHandle, pairs: usize, interval: f64) -> Result<
         for attached in order {
             sys::check_interrupted()?;
             if attached {
-                let d = Daemon::start(h, &ctx.dir, "churn", &format!("{interval}s"), "")?;
+                let mut d = Daemon::start(h, &ctx.dir, "churn", &format!("{interval}s"), "")?;
                 // Start half an interval after a scan: exactly one scan falls in each round.
                 sys::sleep(round / 2)?;
-                let (u0, s0) = proc::cpu_times(d.pid())?;
-                let m0 = d.scrape()?;
-                let c = load::churn(h, WORKERS, round)?;
-                let (u1, s1) = proc::cpu_times(d.pid())?;
-                let m1 = d.scrape()?;
-                r.cpu += (u1 + s1).saturating_sub(u0 + s0);
-                r.scans += m1.scans() - m0.scans();
-                r.scan_s += m1.scan_seconds() - m0.scan_seconds();
+                let mut churn = None;
+                let w = d.window(1, |_| {
+                    churn = Some(load::churn(h, WORKERS, round)?);
+                    Ok(())
+                })?;
+                let c = churn.context("the churn ran")?;
+                r.cpu += w.cpu();
+                r.scans += w.scans();
+                r.scan_s += w.scan_seconds();
                 r.with_conns += c.conns;
                 r.log.push(format!("with {:.0}/s", c.rate()));
                 r.with.push(c.rate());
@@ -162,7 +150,7 @@ fn churn_row(r: &ChurnRounds, pairs: usize, (tw, tw_max): (u64, u64), tcp_socket
                     .map(|r| format!("{r:.3}"))
                     .collect::<Vec<_>>()
                     .join(", "),
-                median(&mut pair_ratios.clone())
+                median(&pair_ratios)
             ),
             format!(
                 "While attached: daemon CPU {daemon_pct:.1} % of one core ({scans:.0} scans, mean {}). \
@@ -267,87 +255,4 @@ fn explain_churn(ctx: &Ctx, r: &ChurnRounds, row: &mut Row) {
              machine's drift between rounds."
         ));
     }
-}
-
-/// Measure 5: from the moment `close_wait_threshold` sockets cross `close_wait_min_age` to the arrival of
-/// the `close_wait_buildup` webhook.
-pub fn detection(ctx: &mut Ctx) -> Result<Vec<Row>> {
-    let ns = NetNs::new("detect")?;
-    let h = ns.handle();
-    let rx = Receiver::start(&h)?;
-    let (interval, min_age, phases): (f64, f64, &[f64]) = if ctx.smoke {
-        (2.0, 1.0, &[0.05])
-    } else {
-        (5.0, 2.0, &[0.05, 0.5, 0.95])
-    };
-    let threshold = 16;
-    let extra = format!(
-        "[detect]\nclose_wait_min_age = \"{min_age}s\"\nclose_wait_threshold = {threshold}\n\
-         [[webhook]]\nurl = \"http://127.0.0.1:{}/alerts\"\nformat = \"json\"\n",
-        rx.port
-    );
-    let mut d = Daemon::start(&h, &ctx.dir, "detect", &format!("{interval}s"), &extra)?;
-    let mut lat = Vec::new();
-    for (i, phase) in phases.iter().enumerate() {
-        let mut cw = CloseWait::open(&h, threshold, 18080 + i as u16)?;
-        // Put the threshold crossing `phase` of an interval after a scan (0.05: just missed).
-        d.wait_scans(1.0, Duration::from_secs(30))?;
-        let delay = (phase * interval - min_age).rem_euclid(interval);
-        sys::sleep(Duration::from_secs_f64(delay))?;
-        cw.close_peers();
-        let cross = Instant::now() + Duration::from_secs_f64(min_age);
-        let port = cw.port;
-        let at = rx
-            .wait(
-                Duration::from_secs_f64(min_age + 3.0 * interval + 5.0),
-                |v| {
-                    v["kind"] == "close_wait_buildup"
-                        && v["status"] == "firing"
-                        && v["service_port"] == port
-                },
-            )?
-            .with_context(|| format!("no close_wait_buildup webhook for port {port}"))?;
-        lat.push((phase, at.saturating_duration_since(cross)));
-        drop(cw);
-    }
-    let worst = lat.iter().map(|l| l.1).max().unwrap_or_default();
-    let target = Duration::from_secs_f64(interval + 1.0);
-    let list: Vec<String> = lat
-        .iter()
-        .map(|(p, l)| {
-            format!(
-                "{} (crossing {:.0} % into a scan interval)",
-                ms(*l),
-                *p * 100.0
-            )
-        })
-        .collect();
-    let mut row = Row {
-        id: "5",
-        name: "detection latency".into(),
-        result: format!("{} worst", ms(worst)),
-        figures: format!(
-            "{} trials: {}; scan_interval {interval}s, close_wait_min_age {min_age}s",
-            lat.len(),
-            lat.iter().map(|l| ms(l.1)).collect::<Vec<_>>().join(", ")
-        ),
-        target: format!("≤ {} (scan interval + 1 s)", ms(target)),
-        verdict: Verdict::of(worst <= target),
-        details: vec![format!(
-            "{threshold} CLOSE_WAIT sockets per trial (one new service port each); latencies: {}.",
-            list.join("; ")
-        )],
-        diagnosis: vec![],
-    };
-    if row.verdict == Verdict::Miss {
-        let s = d.scrape()?;
-        let mean = s.scan_seconds() / s.scans().max(1.0);
-        row.diagnosis.push(format!(
-            "Detection waits for the next scan (up to one interval, {interval}s) plus the scan itself \
-             (mean {} here) plus webhook delivery; the worst trial exceeded that by {}.",
-            ms(Duration::from_secs_f64(mean)),
-            ms(worst.saturating_sub(Duration::from_secs_f64(interval + mean)))
-        ));
-    }
-    Ok(vec![row])
 }

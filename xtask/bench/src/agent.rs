@@ -13,8 +13,8 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use super::{
-    proc::Proc,
+use crate::{
+    proc::{self, Proc},
     sys::{self, NsHandle},
 };
 
@@ -66,6 +66,21 @@ pub fn connreap(args: &[&str]) -> Result<()> {
     Ok(())
 }
 
+/// One `connreap snapshot --json ARGS` run in `ns`, parsed.
+pub fn snapshot_json(ns: &NsHandle, args: &[&str]) -> Result<serde_json::Value> {
+    let out = ns
+        .command(bin())
+        .args(["snapshot", "--json"])
+        .args(args)
+        .stdin(Stdio::null())
+        .stderr(Stdio::null())
+        .output()?;
+    if !out.status.success() {
+        bail!("connreap snapshot --json failed: {}", out.status);
+    }
+    Ok(serde_json::from_slice(&out.stdout)?)
+}
+
 pub fn is_pinned() -> bool {
     std::fs::read_dir("/sys/fs/bpf/connreap").is_ok_and(|mut d| d.next().is_some())
 }
@@ -76,7 +91,7 @@ pub struct PinRestore {
 }
 
 impl PinRestore {
-    pub fn new() -> PinRestore {
+    pub(crate) fn new() -> PinRestore {
         PinRestore {
             was_pinned: is_pinned(),
         }
@@ -218,7 +233,60 @@ pub struct Side<'a> {
     pub pin_root: &'a Path,
 }
 
+/// What a daemon did over a window: its CPU time, /metrics at both ends, VmRSS after each step.
+pub struct Window {
+    pub user: Duration,
+    pub sys: Duration,
+    pub wall: Duration,
+    pub m0: Scrape,
+    pub m1: Scrape,
+    /// VmRSS after each step, kB.
+    pub rss: Vec<u64>,
+}
+
+impl Window {
+    pub fn cpu(&self) -> Duration {
+        self.user + self.sys
+    }
+
+    pub fn scans(&self) -> f64 {
+        self.m1.scans() - self.m0.scans()
+    }
+
+    /// The seconds its scans took.
+    pub fn scan_seconds(&self) -> f64 {
+        self.m1.scan_seconds() - self.m0.scan_seconds()
+    }
+}
+
 impl Daemon {
+    /// Observe the daemon over `steps` runs of `step` (a sleep, or waiting for a scan).
+    pub fn window(
+        &mut self,
+        steps: usize,
+        mut step: impl FnMut(&mut Daemon) -> Result<()>,
+    ) -> Result<Window> {
+        let (u0, s0) = proc::cpu_times(self.pid())?;
+        let t0 = Instant::now();
+        let m0 = self.scrape()?;
+        let mut rss = Vec::new();
+        for _ in 0..steps {
+            step(self)?;
+            rss.push(proc::status_kb(self.pid(), "VmRSS")?);
+        }
+        let (u1, s1) = proc::cpu_times(self.pid())?;
+        let wall = t0.elapsed();
+        let m1 = self.scrape()?;
+        Ok(Window {
+            user: u1.saturating_sub(u0),
+            sys: s1.saturating_sub(s0),
+            wall,
+            m0,
+            m1,
+            rss,
+        })
+    }
+
     /// Start with `[agent]` listen + `scan_interval` plus `extra` TOML, and wait for its first
     /// scan. The config and log go to `dir`.
     pub fn start(

@@ -7,7 +7,7 @@ use std::{
 
 use anyhow::{Context as _, Result};
 
-use super::{agent, sys::NsHandle};
+use crate::{agent, sys::NsHandle};
 
 /// The snapshot of the holders' namespace alone (`--netns host`: the namespace it runs in),
 /// the single-namespace figure: a snapshot of every namespace also dumps the host's, whose

@@ -1,6 +1,7 @@
-//! `--probe-parts`: what each part of the state-change program costs, from bench-only builds of
-//! the tracker (a `bench-<variant>` cargo feature of connreap-ebpf each, see agent-ebpf's
-//! tracker.rs; the shipped object has none of them).
+//! `--probe-parts` (measure 1): what each part of the state-change program costs, from
+//! bench-only builds of the tracker (`cfg(tracker_variant = "...")`, set by agent-ebpf's
+//! build.rs from `CONNREAP_TRACKER_VARIANT` only in the variants' own target directory,
+//! target/bench-variants; see agent-ebpf's tracker.rs).
 //!
 //! Each variant is measured *at the same time* as the shipped program: two daemons, each with
 //! its own pin root (`CONNREAP_PIN_ROOT`), keep both trackers attached to the tracepoint while
@@ -10,15 +11,19 @@
 //! and takes the cache misses on each socket that the second then finds warm, so every pair is
 //! measured in both orders and the two differences averaged: that cancels the order effect,
 //! which is reported too.
-use std::path::{Path, PathBuf};
 use std::time::Duration;
+use std::{
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use anyhow::{Context, Result};
 
-use super::{
+use crate::{
     agent::{self, Daemon, Scrape, Side},
+    churn::WORKERS,
     load,
-    measure::WORKERS,
+    report::median,
     sys::NsHandle,
     Ctx,
 };
@@ -68,19 +73,41 @@ fn bin_of(dir: &Path, variant: &str) -> PathBuf {
     }
 }
 
-/// Build an agent per variant into `dir`, then rebuild the normal object and agent.
-pub fn build(dir: &Path) -> Result<()> {
+/// The variable agent-ebpf's build.rs reads to select a tracker variant.
+const VARIANT_ENV: &str = "CONNREAP_TRACKER_VARIANT";
+
+/// The variants' own target directory. agent-ebpf's build.rs honours a variant only under a
+/// directory of this name, and the shipped build (target/bpfel-unknown-none/release, which
+/// agent/build.rs embeds from) never uses it, so a variant cannot end up in a plain build, even
+/// after a failed run.
+pub fn variants_dir() -> PathBuf {
+    crate::root().join("target/bench-variants")
+}
+
+/// Build an agent per variant (its tracker and the agent around it, both in
+/// [`variants_dir`]) and copy it into `dir`.
+pub fn build(dir: &Path, builds: &crate::Builds) -> Result<()> {
+    let target = variants_dir();
     for (v, _) in VARIANTS.iter().filter(|v| v.0 != "full") {
         eprintln!("bench: building the {v} variant of the tracker");
-        crate::build_ebpf_variant(Some(v))?;
-        crate::build_agent_variant(Some(v))?;
+        let mut bpf = (builds.ebpf_cargo)("build")?;
+        bpf.env(VARIANT_ENV, v).env("CARGO_TARGET_DIR", &target);
+        crate::run_cmd(&mut bpf)?;
+        // The agent's copy of connreap-ebpf gets the same variant (shared types such as
+        // EVENT_BATCH), and its build.rs embeds the object from this target directory.
+        let mut agent = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()));
+        agent
+            .current_dir(crate::root())
+            .args(["build", "--release", "--package", "connreap"])
+            .env(VARIANT_ENV, v)
+            .env("CARGO_TARGET_DIR", &target);
+        crate::run_cmd(&mut agent)?;
         let to = bin_of(dir, v);
         let _ = std::fs::remove_file(&to);
-        std::fs::copy(crate::agent_bin(), &to)
+        std::fs::copy(target.join("release/connreap"), &to)
             .with_context(|| format!("copy the {v} agent to {}", to.display()))?;
     }
-    eprintln!("bench: rebuilding the normal tracker");
-    crate::build_agent()
+    Ok(())
 }
 
 /// The two pin roots and API addresses of a pair (never the default root or port).
@@ -151,12 +178,6 @@ fn pair(
     // Daemons stop before their pins go (drop order: daemons, then _roots).
     drop(daemons);
     Ok((out[0], out[1]))
-}
-
-fn median(v: &[f64]) -> f64 {
-    let mut v = v.to_vec();
-    v.sort_by(|a, b| a.total_cmp(b));
-    v.get(v.len() / 2).copied().unwrap_or(f64::NAN)
 }
 
 /// Every variant against the shipped program, both orders per round; returns the report lines

@@ -7,8 +7,8 @@ use std::{
 
 use anyhow::Result;
 
-use super::{
-    agent::{Daemon, Scrape},
+use crate::{
+    agent::{Daemon, Window},
     proc, profile,
     report::{ms, Row, Verdict},
     sys::{self, NsHandle},
@@ -76,11 +76,8 @@ struct Observed {
     hwm: u64,
     /// The VmRSS by kind at the end, as text.
     kinds_end: String,
-    /// The daemon's user and system CPU time over the window.
-    user: Duration,
-    sys: Duration,
-    m0: Scrape,
-    m1: Scrape,
+    /// The daemon's CPU time and /metrics over the window.
+    w: Window,
     prof: Option<profile::Profile>,
     /// VmRSS before and after `malloc_trim(0)`.
     trimmed: Option<(u64, u64)>,
@@ -93,17 +90,11 @@ fn observe(ctx: &Ctx, h: &NsHandle) -> Result<Observed> {
     let mut d = Daemon::start(h, &ctx.dir, "scale", &format!("{interval}s"), "")?;
     d.wait_scans(2.0, Duration::from_secs(60))?;
     let rss_a = proc::status_kb(d.pid(), "VmRSS")?;
-    let (u0, s0) = proc::cpu_times(d.pid())?;
-    let m0 = d.scrape()?;
     // VmRSS once per scan interval through the CPU window (reading /proc costs nothing).
-    let mut series = vec![rss_a];
     let steps = (window / interval).round().max(1.0) as usize;
-    for _ in 0..steps {
-        sys::sleep(Duration::from_secs_f64(window / steps as f64))?;
-        series.push(proc::status_kb(d.pid(), "VmRSS")?);
-    }
-    let (u1, s1) = proc::cpu_times(d.pid())?;
-    let m1 = d.scrape()?;
+    let step = Duration::from_secs_f64(window / steps as f64);
+    let w = d.window(steps, |_| sys::sleep(step))?;
+    let series = [vec![rss_a], w.rss.clone()].concat();
     let rss_b = proc::status_kb(d.pid(), "VmRSS")?;
     let hwm = proc::status_kb(d.pid(), "VmHWM")?;
     let kinds_end = kinds(d.pid())?;
@@ -126,10 +117,7 @@ fn observe(ctx: &Ctx, h: &NsHandle) -> Result<Observed> {
         rss_b,
         hwm,
         kinds_end,
-        user: u1.saturating_sub(u0),
-        sys: s1.saturating_sub(s0),
-        m0,
-        m1,
+        w,
         prof,
         trimmed,
     })
@@ -137,7 +125,7 @@ fn observe(ctx: &Ctx, h: &NsHandle) -> Result<Observed> {
 
 /// Measure 4's row: the largest VmRSS sampled against the target.
 fn memory_row(ctx: &Ctx, o: &Observed, tag: &str, held: usize) -> Row {
-    let (m0, m1) = (&o.m0, &o.m1);
+    let (m0, m1) = (&o.w.m0, &o.w.m1);
     let scans = m1.scans() - m0.scans();
     let peak = o
         .series
@@ -148,23 +136,14 @@ fn memory_row(ctx: &Ctx, o: &Observed, tag: &str, held: usize) -> Row {
         .max(o.rss_b);
     let rss_mb = mb(peak);
     let idle = ctx.idle_rss_kb.map(mb);
-    let mut mem = Row {
-        id: "4",
-        name: format!("daemon memory @ {held} sockets ({tag})"),
-        result: format!("{rss_mb:.1} MB VmRSS"),
-        figures: format!(
+    let mut mem = Row::new("4", format!("daemon memory @ {held} sockets ({tag})"), format!("{rss_mb:.1} MB VmRSS"), format!(
             "largest VmRSS sampled once per scan; {:.1} MB after 3 scans, {:.1} MB after {scans:.0} more; VmHWM {:.1} MB; idle daemon {}; kernel-side BPF maps {:.1} MB",
             mb(o.rss_a),
             mb(o.rss_b),
             mb(o.hwm),
             idle.map(|m| format!("{m:.1} MB")).unwrap_or("-".into()),
             m1.sum("connreap_bpf_map_memory_bytes") / 1048576.0
-        ),
-        target: format!("≤ {RSS_TARGET_MB} MB"),
-        verdict: Verdict::of(rss_mb <= RSS_TARGET_MB),
-        details: vec![],
-        diagnosis: vec![],
-    };
+        ), format!("≤ {RSS_TARGET_MB} MB"), Verdict::of(rss_mb <= RSS_TARGET_MB));
     let facts = memory_facts(ctx, o, rss_mb, held);
     mem.details.clone_from(&facts);
     if mem.verdict == Verdict::Miss {
@@ -180,7 +159,7 @@ fn memory_row(ctx: &Ctx, o: &Observed, tag: &str, held: usize) -> Row {
 /// Where the memory is: the VmRSS series, by kind, the kernel side, the growth from the idle
 /// daemon, and what `malloc_trim` returned. `rss_mb`: the judged VmRSS.
 fn memory_facts(ctx: &Ctx, o: &Observed, rss_mb: f64, held: usize) -> Vec<String> {
-    let m1 = &o.m1;
+    let m1 = &o.w.m1;
     let series_txt: Vec<String> = o.series.iter().map(|k| format!("{:.0}", mb(*k))).collect();
     let mut facts = vec![
         format!(
@@ -226,28 +205,19 @@ fn memory_facts(ctx: &Ctx, o: &Observed, rss_mb: f64, held: usize) -> Vec<String
 
 /// Measure 6's row (informational): the daemon's CPU over the window, and its profile.
 fn cpu_row(o: &Observed, tag: &str, held: usize) -> Row {
-    let (du, ds, window) = (o.user, o.sys, o.window);
+    let (du, ds, window) = (o.w.user, o.w.sys, o.window);
     let cpu_pct = (du + ds).as_secs_f64() / window * 100.0;
-    let scans = o.m1.scans() - o.m0.scans();
-    let mean_scan = (o.m1.scan_seconds() - o.m0.scan_seconds()) / scans.max(1.0);
+    let scans = o.w.scans();
+    let mean_scan = o.w.scan_seconds() / scans.max(1.0);
     let per_scan_cpu = (du + ds).as_secs_f64() / scans.max(1.0);
     let interval = o.interval;
-    let mut cpu = Row {
-        id: "6",
-        name: format!("daemon CPU @ {held} idle sockets ({tag})"),
-        result: format!("{cpu_pct:.2} % of one core"),
-        figures: format!(
+    let mut cpu = Row::info("6", format!("daemon CPU @ {held} idle sockets ({tag})"), format!("{cpu_pct:.2} % of one core"), format!(
             "user {} + sys {} over {window:.0} s; {scans:.0} scans at {interval}s, mean scan {}, {} CPU per scan",
             ms(du),
             ms(ds),
             ms(Duration::from_secs_f64(mean_scan)),
             ms(Duration::from_secs_f64(per_scan_cpu))
-        ),
-        target: "none set (informational)".into(),
-        verdict: Verdict::Info,
-        details: vec![],
-        diagnosis: vec![],
-    };
+        ));
     if let Some(p) = &o.prof {
         cpu.details.push(format!(
             "`perf record -p` of the daemon over two scan intervals, by component: {}. Top symbols: {}.",

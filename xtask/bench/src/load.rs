@@ -11,7 +11,7 @@ use std::{
 use anyhow::{bail, Context, Result};
 use socket2::{Domain, Socket, Type};
 
-use super::{
+use crate::{
     proc::Proc,
     sys::{self, NsHandle},
 };

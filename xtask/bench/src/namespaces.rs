@@ -7,19 +7,19 @@ use std::{
     collections::HashSet,
     path::Path,
     process::{Command, Stdio},
-    time::{Duration, Instant},
+    time::Duration,
 };
 
 use anyhow::{bail, Context, Result};
 
-use super::{
-    agent::{self, Daemon, Side},
+use crate::{
+    agent::{self, Daemon, Side, Window},
     baseline::{self, Baseline},
-    footprint,
     load::{self, Holders},
+    memory_cpu,
     proc::{self, Timed},
     report::{ms, Row, Verdict},
-    split::ScanSplit,
+    scan_split::ScanSplit,
     sys::{NetNs, NsHandle},
     Ctx,
 };
@@ -111,14 +111,7 @@ fn snapshot_cmd(host: &NsHandle) -> Command {
 }
 
 fn verify(host: &NsHandle, names: &[String]) -> Result<Seen> {
-    let out = snapshot_cmd(host)
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()?;
-    if !out.status.success() {
-        bail!("connreap snapshot --json failed: {}", out.status);
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let v = agent::snapshot_json(host, &[])?;
     let socks = v["sockets"].as_array().context("no sockets in snapshot")?;
     let ours: HashSet<&str> = names.iter().map(String::as_str).collect();
     let mine: Vec<&serde_json::Value> = socks
@@ -169,15 +162,6 @@ fn ss_loop_count(names: &[String]) -> Result<usize> {
         bail!("nsenter + ss loop failed: {}", out.status);
     }
     Ok(String::from_utf8_lossy(&out.stdout).lines().count())
-}
-
-fn median(mut v: Vec<Timed>) -> Timed {
-    v.sort_by_key(|t| t.wall);
-    v[v.len() / 2]
-}
-
-fn fmt_t(t: &Timed) -> String {
-    format!("{} (user {}, sys {})", ms(t.wall), ms(t.user), ms(t.sys))
 }
 
 /// Every round's times: connreap's snapshot, the `ss -tanp` loop and the `ss -tan` loop.
@@ -255,9 +239,9 @@ fn snapshot_row(
     split: &ScanSplit,
 ) -> Row {
     let (snap, ssp, ss) = (
-        median(r.snap.clone()),
-        median(r.ssp.clone()),
-        median(r.ss.clone()),
+        Timed::median(r.snap.clone()),
+        Timed::median(r.ssp.clone()),
+        Timed::median(r.ss.clone()),
     );
     let ratio = snap.wall.as_secs_f64() / ssp.wall.as_secs_f64().max(1e-9);
     let each = |v: &[Timed]| v.iter().map(|t| ms(t.wall)).collect::<Vec<_>>().join(", ");
@@ -321,9 +305,9 @@ fn snapshot_row(
         vec![format!(
             "`connreap snapshot --json` took {} for all namespaces; the `ss -tanp` loop {}, of \
              which the same loop without `-p` (no owner walk over /proc) takes {}.",
-            fmt_t(&snap),
-            fmt_t(&ssp),
-            fmt_t(&ss)
+            snap.show(),
+            ssp.show(),
+            ss.show()
         )]
     } else {
         vec![]
@@ -335,7 +319,7 @@ fn snapshot_row(
             2 * size.conns
         ),
         result: format!("{ratio:.3}×"),
-        figures: format!("connreap {}; the loop {}", fmt_t(&snap), fmt_t(&ssp)),
+        figures: format!("connreap {}; the loop {}", snap.show(), ssp.show()),
         target: format!("≤ {VS_LOOP}×"),
         verdict,
         details,
@@ -345,18 +329,10 @@ fn snapshot_row(
 
 /// What the daemon did over the observed scans.
 struct Observed {
-    scans: f64,
-    scan_s: f64,
-    cpu: Duration,
-    user: Duration,
-    sys: Duration,
-    wall: Duration,
-    /// VmRSS after each scan, kB.
-    rss: Vec<u64>,
+    /// One step per scan.
+    w: Window,
     hwm: u64,
     kinds: String,
-    /// Sockets in the daemon's last scan (the sum of `connreap_sockets`).
-    sockets: f64,
 }
 
 /// A daemon in a namespace of its own (for its API port; wherever it runs, it scans every
@@ -386,29 +362,11 @@ fn observe(ctx: &Ctx, size: &Size, walk: &str, side: Option<&Baseline>) -> Resul
         side.as_ref(),
     )?;
     d.wait_scans(2.0, timeout)?;
-    let (u0, s0) = proc::cpu_times(d.pid())?;
-    let t0 = Instant::now();
-    let m0 = d.scrape()?;
-    let mut rss = Vec::new();
-    let mut m1 = m0.clone();
-    for _ in 0..size.scans {
-        m1 = d.wait_scans(1.0, timeout)?;
-        rss.push(proc::status_kb(d.pid(), "VmRSS")?);
-    }
-    let (u1, s1) = proc::cpu_times(d.pid())?;
-    let wall = t0.elapsed();
-    let (user, sys) = (u1.saturating_sub(u0), s1.saturating_sub(s0));
+    let w = d.window(size.scans, |d| d.wait_scans(1.0, timeout).map(drop))?;
     let o = Observed {
-        scans: m1.scans() - m0.scans(),
-        scan_s: m1.scan_seconds() - m0.scan_seconds(),
-        cpu: user + sys,
-        user,
-        sys,
-        wall,
-        rss,
+        w,
         hwm: proc::status_kb(d.pid(), "VmHWM")?,
-        kinds: footprint::kinds(d.pid())?,
-        sockets: m1.sum("connreap_sockets"),
+        kinds: memory_cpu::kinds(d.pid())?,
     };
     drop(d);
     drop(ctl);
@@ -417,19 +375,20 @@ fn observe(ctx: &Ctx, size: &Size, walk: &str, side: Option<&Baseline>) -> Resul
 
 /// CPU per scan, mean scan time and the row's figures of an observation.
 fn cpu_figures(o: &Observed, size: &Size) -> (Duration, String) {
-    let scans = o.scans.max(1.0);
-    let per_scan = o.cpu.div_f64(scans);
-    let mean_scan = Duration::from_secs_f64(o.scan_s / scans);
-    let pct = o.cpu.as_secs_f64() / o.wall.as_secs_f64().max(1e-9) * 100.0;
+    let w = &o.w;
+    let scans = w.scans().max(1.0);
+    let per_scan = w.cpu().div_f64(scans);
+    let mean_scan = Duration::from_secs_f64(w.scan_seconds() / scans);
+    let pct = w.cpu().as_secs_f64() / w.wall.as_secs_f64().max(1e-9) * 100.0;
     let figures = format!(
         "user {} + sys {} over {:.0} scans at {}s ({pct:.1} % of one core); mean scan {}; \
          {:.0} sockets in its last scan",
-        ms(o.user),
-        ms(o.sys),
-        o.scans,
+        ms(w.user),
+        ms(w.sys),
+        w.scans(),
         size.interval,
         ms(mean_scan),
-        o.sockets
+        w.m1.sum("connreap_sockets")
     );
     (per_scan, figures)
 }
@@ -444,44 +403,26 @@ fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
     let spaces = size.spaces;
     let (per_scan_all, figures_all) = cpu_figures(&all, size);
     let (per_scan, figures) = cpu_figures(&o, size);
-    let walk_all = Row {
-        id: "7",
-        name: format!(
+    let walk_all = Row::info("7", format!(
             "daemon CPU per scan @ {spaces} namespaces ({} sockets), netns_walk_interval = 0s (every namespace walked on every scan)",
             pop.held
-        ),
-        result: format!("{} CPU per scan", ms(per_scan_all)),
-        figures: figures_all,
-        target: "none set (informational)".into(),
-        verdict: Verdict::Info,
-        details: vec![],
-        diagnosis: vec![],
-    };
+        ), format!("{} CPU per scan", ms(per_scan_all)), figures_all);
     let ratio = per_scan.as_secs_f64() / per_scan_all.as_secs_f64().max(1e-9);
-    let cpu = Row {
-        id: "7",
-        name: format!(
+    let cpu = Row::info("7", format!(
             "daemon CPU per scan @ {spaces} namespaces ({} sockets), netns_walk_interval = {period} ({} scans: each namespace walked once)",
             pop.held, size.scans
-        ),
-        result: format!(
+        ), format!(
             "{} CPU per scan ({ratio:.3}× walking all on every scan)",
             ms(per_scan)
-        ),
-        figures,
-        target: "none set (informational)".into(),
-        verdict: Verdict::Info,
-        details: vec![],
-        diagnosis: vec![],
-    };
-    let peak_kb = o.rss.iter().copied().max().unwrap_or(0);
+        ), figures);
+    let peak_kb = o.w.rss.iter().copied().max().unwrap_or(0);
     let peak = peak_kb as f64 / 1024.0;
-    let series: Vec<String> = o
-        .rss
-        .iter()
-        .map(|k| format!("{:.1}", *k as f64 / 1024.0))
-        .collect();
-    let verdict = Verdict::of(peak <= footprint::RSS_TARGET_MB);
+    let series: Vec<String> =
+        o.w.rss
+            .iter()
+            .map(|k| format!("{:.1}", *k as f64 / 1024.0))
+            .collect();
+    let verdict = Verdict::of(peak <= memory_cpu::RSS_TARGET_MB);
     let facts = vec![
         format!(
             "VmRSS (MB) after each of {} scans, from the 3rd scan on: {} (the largest is judged); \
@@ -500,7 +441,7 @@ fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
             "largest VmRSS sampled after each scan; VmHWM {:.1} MB",
             o.hwm as f64 / 1024.0
         ),
-        target: format!("≤ {} MB", footprint::RSS_TARGET_MB),
+        target: format!("≤ {} MB", memory_cpu::RSS_TARGET_MB),
         verdict,
         details: facts.clone(),
         diagnosis: if verdict == Verdict::Miss {

@@ -9,7 +9,7 @@ use std::{
 
 use anyhow::{bail, Context, Result};
 
-use super::{proc::Proc, sys};
+use crate::{proc::Proc, sys};
 
 pub fn available() -> bool {
     Command::new("perf")

@@ -1,19 +1,17 @@
 //! Measure 3 (snapshot at scale), with loopback connections held open by holder processes in a
 //! namespace; measures 4 and 6 (`footprint`) then run a daemon in the largest one.
-use std::{
-    process::{Command, Stdio},
-    time::Duration,
-};
+use std::{process::Command, time::Duration};
 
 use anyhow::{bail, Context, Result};
 
-use super::{
-    agent, baseline, footprint,
+use crate::{
+    agent, baseline,
     load::Holders,
+    memory_cpu,
     proc::{self, Timed},
     profile,
     report::{ms, Row, Verdict},
-    split::{snapshot_cmd, ScanSplit},
+    scan_split::{snapshot_cmd, ScanSplit},
     sys::{NetNs, NsHandle},
     Ctx,
 };
@@ -21,28 +19,10 @@ use super::{
 const VS_SSP: f64 = 0.1;
 const VS_SS: f64 = 1.5;
 
-fn median(mut v: Vec<Timed>) -> Timed {
-    v.sort_by_key(|t| t.wall);
-    v[v.len() / 2]
-}
-
-fn fmt_t(t: &Timed) -> String {
-    format!("{} (user {}, sys {})", ms(t.wall), ms(t.user), ms(t.sys))
-}
-
 /// Sockets and owner-attributed sockets in one `connreap snapshot --json`, and how many have
 /// an exact age (the tracker saw them being created).
 fn verify_snapshot(ns: &NsHandle) -> Result<(usize, usize, usize)> {
-    let out = ns
-        .command(agent::bin())
-        .args(["snapshot", "--json"])
-        .stdin(Stdio::null())
-        .stderr(Stdio::null())
-        .output()?;
-    if !out.status.success() {
-        bail!("connreap snapshot --json failed: {}", out.status);
-    }
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout)?;
+    let v = agent::snapshot_json(ns, &[])?;
     let socks = v["sockets"].as_array().context("no sockets in snapshot")?;
     let owned = socks.iter().filter(|s| s["pid"].is_u64()).count();
     let exact = socks.iter().filter(|s| s["age_exact"] == true).count();
@@ -67,7 +47,7 @@ fn host_open_files() -> usize {
         .unwrap_or(0)
 }
 
-pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
+pub fn snapshot_at_scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let sizes: Vec<(&str, Vec<usize>)> = if ctx.smoke {
         vec![("1k", vec![500])]
     } else {
@@ -80,7 +60,7 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
         let h = ns.handle();
         // Before the sockets exist: the fixed cost of a snapshot (BPF load, BTF, the owner walk
         // over every process), and the tracker attached (if it was unpinned) so ages are exact.
-        let empty = median(
+        let empty = Timed::median(
             (0..3)
                 .map(|_| proc::timed(&mut snapshot_cmd(&h), Duration::from_secs(60)))
                 .collect::<Result<Vec<_>>>()?,
@@ -88,7 +68,7 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
         let mut fixed = format!(
             "In the namespace before the holders connected (~no sockets), a snapshot took {}: the \
              fixed cost (program load, BTF, owner walk over all processes).",
-            fmt_t(&empty)
+            empty.show()
         );
         if ctx.perf && i == 0 {
             fixed += &profile_line(ctx, &h, "snapshot-empty", "there");
@@ -124,7 +104,7 @@ pub fn scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
         // The baseline's tracker goes before the daemon measures.
         drop(pins);
         if i == last {
-            rows.extend(footprint::daemon_rows(ctx, &h, tag, holders.sockets)?);
+            rows.extend(memory_cpu::daemon_rows(ctx, &h, tag, holders.sockets)?);
         }
         drop(holders);
         drop(ns);
@@ -195,7 +175,7 @@ impl SnapshotRun {
             ssp.push(proc::timed(h.command("ss").arg("-tanp"), timeout)?);
             ss.push(proc::timed(h.command("ss").arg("-tan"), timeout)?);
         }
-        let (snap, ssp, ss) = (median(snap), median(ssp), median(ss));
+        let (snap, ssp, ss) = (Timed::median(snap), Timed::median(ssp), Timed::median(ss));
         let split = ScanSplit::measure(h, runs)?;
         Ok(SnapshotRun {
             seen,
@@ -362,7 +342,7 @@ fn ratio_rows(
         id,
         name: format!("{name} vs {vs}"),
         result: format!("{r:.3}×"),
-        figures: format!("connreap {}; {vs} {}", fmt_t(snap), fmt_t(base)),
+        figures: format!("connreap {}; {vs} {}", snap.show(), base.show()),
         target: format!("≤ {target}×"),
         verdict: Verdict::of(r <= target),
         details: vec![],

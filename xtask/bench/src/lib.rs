@@ -1,25 +1,36 @@
 //! `cargo xtask bench`: measures connreap against its targets on this machine and writes
-//! BENCHMARKS.md (or target/bench-smoke.md with `--smoke`).
+//! BENCHMARKS.md (or target/bench-smoke.md with `--smoke`). xtask calls [`run`] and
+//! [`worker`]; it builds the agent first and hands over the command that builds for the BPF
+//! target ([`Builds`]).
 //!
 //! The bench makes its own load, loopback only and inside network namespaces it creates and
 //! deletes: a connect/accept/send/close churn, socket holders (this binary re-executed as
 //! `bench-worker holder`), CLOSE_WAIT groups and a webhook receiver. It holds the e2e tests' lock
 //! (both use the host-wide pinned tracker, which the bench unpins), and every change it makes
 //! (namespaces, processes, kernel.bpf_stats_enabled, the pinned tracker) is undone by a guard.
-pub(crate) mod agent;
+//!
+//! One file per measure: probe.rs (1, with probe_parts.rs for `--probe-parts`), churn.rs (2),
+//! snapshot.rs (3), memory_cpu.rs (4 and 6, one daemon observed at measure 3's largest size),
+//! latency.rs (5), namespaces.rs (7). The tools they share: agent.rs (the agent binary, its
+//! daemon and a webhook receiver), load.rs (the load generators), proc.rs (processes, times,
+//! /proc), sys.rs (namespaces, sysctls, signals, the e2e lock), scan_split.rs (where a
+//! snapshot's time goes), report.rs (rows, BENCHMARKS.md), profile.rs (`--profile`: perf),
+//! baseline/ (`--baseline`: an older build timed side by side).
+pub mod agent;
 mod baseline;
-mod footprint;
+mod churn;
+mod latency;
 mod load;
-mod measure;
-mod netns;
-mod parts;
+mod memory_cpu;
+mod namespaces;
 mod probe;
-mod proc;
+mod probe_parts;
+pub mod proc;
 mod profile;
 mod report;
-mod scale;
-mod split;
-pub(crate) mod sys;
+mod scan_split;
+mod snapshot;
+pub mod sys;
 
 use std::{
     path::{Path, PathBuf},
@@ -27,7 +38,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{bail, Result};
+use anyhow::{bail, Context as _, Result};
 
 pub use load::{worker, WorkerArgs};
 use report::{Row, Verdict};
@@ -44,8 +55,11 @@ pub struct BenchArgs {
     /// Also exit non-zero when a target is missed.
     #[arg(long)]
     strict: bool,
-    /// Skip the diagnostics that explain figures (perf profiles, the gdb malloc_trim step).
+    /// Also run the diagnostics that explain figures (perf profiles, the gdb malloc_trim step).
     #[arg(long)]
+    profile: bool,
+    /// The default now (profiles are opt-in with `--profile`); kept so older command lines work.
+    #[arg(long, hide = true, conflicts_with = "profile")]
     no_profile: bool,
     /// Also measure what each part of the tracker costs (measure 1), from bench-only builds of
     /// it (builds an extra agent per variant first: a few minutes).
@@ -80,7 +94,42 @@ pub struct BenchArgs {
     baseline_label: Option<String>,
 }
 
+/// What xtask builds for the bench: the release agent (around the shipped BPF object), and the
+/// `cargo SUBCOMMAND` that builds agent-ebpf for the BPF target (toolchain checked, no tracker
+/// variant selected), which `--probe-parts` runs in a target directory of its own.
+pub struct Builds {
+    pub agent: fn() -> Result<()>,
+    pub ebpf_cargo: fn(&str) -> Result<Command>,
+}
+
+/// The workspace root.
+pub fn root() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .ancestors()
+        .nth(2)
+        .expect("the bench lives in xtask/bench of the workspace")
+        .to_path_buf()
+}
+
+/// The release agent `cargo xtask build` makes.
+pub fn agent_bin() -> PathBuf {
+    root().join("target/release/connreap")
+}
+
+/// Run `cmd` (echoed first); fail on a non-zero exit.
+pub fn run_cmd(cmd: &mut Command) -> Result<()> {
+    eprintln!("+ {cmd:?}");
+    let status = cmd
+        .status()
+        .with_context(|| format!("failed to start {cmd:?}"))?;
+    if !status.success() {
+        bail!("{cmd:?} failed: {status}");
+    }
+    Ok(())
+}
+
 /// State shared between measures (later ones reuse earlier figures in their diagnosis).
+#[derive(Default)]
 pub struct Ctx {
     pub smoke: bool,
     /// Measure the tracker by parts (the variant agents are built).
@@ -111,16 +160,10 @@ impl Ctx {
         Ctx {
             smoke: args.smoke,
             parts: args.probe_parts,
-            perf: !args.no_profile && profile::available(),
+            perf: args.profile && profile::available(),
             dir,
-            idle_rss_kb: None,
-            idle_kinds: None,
-            iter_ns: None,
-            set_state_ns: None,
-            runs_per_conn: None,
-            dispatch_ns: None,
-            tracker_perf_us: None,
             baseline,
+            ..Ctx::default()
         }
     }
 
@@ -136,134 +179,16 @@ type Measure = fn(&mut Ctx) -> Result<Vec<Row>>;
 /// measures reuse its per-run costs in their diagnosis.
 const MEASURES: [(&str, &[u8], &str, Measure); 5] = [
     ("1", &[1], "probe cost", probe::probe_cost),
-    ("2", &[2], "churn overhead", measure::churn_overhead),
-    ("5", &[5], "detection latency", measure::detection),
+    ("2", &[2], "churn overhead", churn::churn_overhead),
+    ("5", &[5], "detection latency", latency::detection),
     (
         "3",
         &[3, 4, 6],
         "snapshot at scale, memory, CPU",
-        scale::scale,
+        snapshot::snapshot_at_scale,
     ),
-    ("7", &[7], "many namespaces", netns::namespaces),
+    ("7", &[7], "many namespaces", namespaces::namespaces),
 ];
-
-const METHODS: &str = "\
-The **churn load** (measures 1 and 2): two threads in a namespace each loop connect (from one of \
-64 source addresses 127.0.100+w.x, IP_BIND_ADDRESS_NO_PORT) → accept → client sends 64 B → server \
-reads and closes first → client reads EOF and closes (10 TCP state transitions per connection). \
-Before measuring, it runs until the namespace's TIME_WAIT table is at its cap \
-(net.ipv4.tcp_max_tw_buckets), the steady state of a busy server.
-
-1. **Probe cost**: `kernel.bpf_stats_enabled=1` for the windows only (restored after). \
-`connreap_bpf_program_run_time_seconds_total` and `connreap_bpf_program_runs_total` from the daemon's /metrics, read \
-after a scan before the load and after the second scan after it; avg = Δrun_time / Δruns. Window A \
-(judged): the daemon scans an empty namespace every 1 s, so only the churn runs in the churn's \
-namespace. Window B: the daemon runs in the churn's namespace at the default 5 s interval (its \
-iterator figures are per socket / per file). Then, with stats off and a daemon that reads the ring \
-but does not scan, `perf record -a` during 3 s more of churn splits the tracker's kernel time by part. \
-With `--probe-parts`, bench-only builds of the tracker (no event ring; no state table; count only; the hash map the table replaced; 32-event ring records) \
-run in alternated 3 s windows next to the shipped one, so each part's cost is a difference \
-measured in the same run.
-2. **Churn overhead**: rounds of one scan interval (5 s), alternated ABBA: *detached* after \
-`connreap unpin` with no daemon, *attached* with the tracker pinned and `connreap run` (defaults, \
-scan_interval 5s) in the churn's namespace, the round starting half an interval after its first \
-scan so exactly one scan falls in it. Ratio of the medians (connections/s); bpf_stats off.
-3. **Snapshot at scale**: holder processes (this binary re-executed, soft RLIMIT_NOFILE raised to \
-the 20000 hard limit) each hold N loopback connections, both ends, to a listener on 127.0.i.1 in a \
-fresh namespace (10k: 1 × 5000 connections; 100k: 6 × 8500). Before they connect, three snapshots \
-of the empty namespace give the fixed cost (and attach the tracker, so every age is exact). Each \
-round runs `connreap snapshot --json`, `ss -tanp`, `ss -tan` in the namespace (setns, like \
-`nsenter --net`), stdout to /dev/null; wall time spawn→exit, CPU from wait4; medians of 5 rounds. \
-One extra snapshot is parsed to check that it sees every socket, with its owner. With `--baseline \
-PATH` (or `--baseline-commit REV`, which builds one), an older connreap is timed too, on the same \
-sockets: `connreap snapshot --json` (old builds know no `--netns` and dump their own namespace \
-only) with its own pin root (CONNREAP_PIN_ROOT=/sys/fs/bpf/connreap-baseline, removed at the end), \
-against this build's `snapshot --json --netns host`; both warmed up, their row counts compared, \
-then 10 alternated ABBA blocks (ABBA BAAB ...); ratio of the medians, target ≤ 1.05×.
-4. **Memory**: `connreap run` (scan_interval 5s) in the 100k namespace; VmRSS from \
-/proc/PID/status after 3 scans and then once per scan through the 60 s CPU window (the largest is \
-judged), VmHWM, resident memory by kind from /proc/PID/smaps, and the idle daemon of measure 1 as \
-the baseline. With gdb installed, `malloc_trim(0)` is called in the daemon at the very end to \
-separate live memory from memory glibc keeps after the scans free it.
-5. **Detection latency**: a daemon with scan_interval 5s, close_wait_min_age 2s, \
-close_wait_threshold 16 and a `[[webhook]]` (format json) to a receiver the bench runs in the \
-namespace. Per trial, 16 connections to a new local port; closing the server ends at T0 puts the \
-client ends in CLOSE_WAIT; they cross the threshold at T0 + 2 s; latency = arrival of the \
-`close_wait_buildup` firing POST for that port − (T0 + 2 s). Trials place the crossing 5 %, 50 % \
-and 95 % of an interval after a scan (5 %: the scan just missed it, the worst case).
-6. **Daemon CPU**: (utime + stime) of the daemon from /proc/PID/stat over 60 s with the 100k idle \
-sockets and scan_interval 5s, as % of one core; then `perf record -p` over two scans.
-7. **Many namespaces**: 100 namespaces (`ip netns add`, `lo` up), each with one holder process \
-keeping 500 loopback connections (1000 sockets) to its own listener: 100k sockets in total. \
-Alternated rounds (3; the snapshot first in odd rounds, last in even ones) time \
-`connreap snapshot --json` in the host namespace (every namespace: the bench's, the host's and \
-any other) against the loop a user would script, `nsenter --net=/run/netns/NAME ss -tanp` for \
-each of the bench's namespaces in turn in one `sh` (wall time of the whole loop, CPU of the shell \
-and its children from wait4), and the same loop with `ss -tan`; medians. One extra snapshot is \
-parsed to check that it sees every held socket in its namespace, with its owner. Then \
-`connreap run` (scan_interval 2s) in a namespace of its own, twice, one after the other: with \
-`netns_walk_interval = \"0s\"` (every namespace walked on every scan) and with \
-`netns_walk_interval = \"20s\"` (10 scans: each namespace walked once in the window, the others \
-read by the owner dump's pass over processes' files): after 2 scans, (utime + stime) from \
-/proc/PID/stat over 10 scans ÷ the scans /metrics counted, their ratio, and VmRSS after each \
-scan of the second daemon (the largest is judged). With a baseline that knows namespaces, the \
-second daemon's window again, current and baseline alternated (2 ABBA blocks), ratio of the \
-medians, target ≤ 1.05×.
-
-Profiles (perf) and the gdb step only explain figures; `--no-profile` skips them. The agent binary \
-is copied to target/bench-tmp/ at the start and that copy is used throughout. `--smoke` runs the \
-same code with ~1k sockets (measure 7: 5 namespaces × 100 sockets), 1-2 s windows and a 1-2 s \
-scan interval: it checks the bench, its figures are not representative.";
-
-fn machine(built: &str) -> String {
-    let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
-    let cpuinfo = read("/proc/cpuinfo");
-    let model = cpuinfo
-        .lines()
-        .find_map(|l| {
-            l.strip_prefix("model name")?
-                .split_once(':')
-                .map(|x| x.1.trim())
-        })
-        .unwrap_or("unknown CPU")
-        .to_string();
-    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
-    let mem_gib = read("/proc/meminfo")
-        .lines()
-        .find_map(|l| l.strip_prefix("MemTotal:"))
-        .and_then(|v| v.split_whitespace().next()?.parse::<f64>().ok())
-        .map_or(0.0, |kb| kb / 1024.0 / 1024.0);
-    let os = read("/etc/os-release")
-        .lines()
-        .find_map(|l| l.strip_prefix("PRETTY_NAME="))
-        .map(|s| s.trim_matches('"').to_string())
-        .unwrap_or_default();
-    let out = |c: &mut Command| {
-        c.output()
-            .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
-            .unwrap_or_default()
-    };
-    let date = out(Command::new("date").args(["-u", "+%Y-%m-%d %H:%M UTC"]));
-    let rev =
-        out(Command::new("git")
-            .current_dir(crate::root())
-            .args(["rev-parse", "--short", "HEAD"]));
-    let dirty = !out(Command::new("git")
-        .current_dir(crate::root())
-        .args(["status", "--porcelain"]))
-    .is_empty();
-    format!(
-        "Machine: {cores} cores ({model}), {mem_gib:.0} GiB, {os}, kernel {}; {}. Date: {date}. \
-         Source: commit {rev}{}; agent binary built {built}.",
-        read("/proc/sys/kernel/osrelease").trim(),
-        scale::ss_version(),
-        if dirty {
-            " with uncommitted changes"
-        } else {
-            ""
-        }
-    )
-}
 
 fn preflight() -> Result<()> {
     // SAFETY: geteuid has no preconditions.
@@ -304,8 +229,8 @@ fn wait_quiet(max: Duration) -> Result<Vec<String>> {
     }
 }
 
-pub fn run(args: BenchArgs) -> Result<()> {
-    let (dir, built, base) = prepare(&args)?;
+pub fn run(args: BenchArgs, builds: &Builds) -> Result<()> {
+    let (dir, built, base) = prepare(&args, builds)?;
     let busy = wait_quiet(Duration::from_secs(args.wait_quiet))?;
     let (lock, waited) = sys::e2e_lock(Duration::from_secs(args.wait_quiet.max(60)))?;
     let pins = agent::PinRestore::new();
@@ -335,26 +260,29 @@ pub fn run(args: BenchArgs) -> Result<()> {
 /// Build (unless `--no-build`), check the machine, and copy the agent (and, with
 /// `--probe-parts`, build its variants; with `--baseline-commit`, build the baseline) into the
 /// bench's directory; returns that directory, when the agent binary was built, and the baseline.
-fn prepare(args: &BenchArgs) -> Result<(PathBuf, String, Option<baseline::Baseline>)> {
+fn prepare(
+    args: &BenchArgs,
+    builds: &Builds,
+) -> Result<(PathBuf, String, Option<baseline::Baseline>)> {
     if !args.no_build {
-        crate::build_agent()?;
+        (builds.agent)()?;
     }
     preflight()?;
     sys::install_signal_handlers();
     sys::remove_stale_namespaces();
-    let dir = crate::root().join("target/bench-tmp");
+    let dir = root().join("target/bench-tmp");
     std::fs::create_dir_all(&dir)?;
     let built = Command::new("date")
         .arg("-u")
         .arg("-r")
-        .arg(crate::agent_bin())
+        .arg(agent_bin())
         .arg("+%Y-%m-%d %H:%M UTC")
         .output()
         .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string())
         .unwrap_or_default();
     agent::use_copy_in(&dir)?;
     if args.probe_parts {
-        parts::build(&dir)?;
+        probe_parts::build(&dir, builds)?;
     }
     let base = baseline::resolve(args, &dir)?;
     if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) && !args.only.contains(&7)
@@ -468,15 +396,15 @@ fn write_report(
         (
             "connreap benchmarks",
             "cargo xtask bench",
-            crate::root().join("BENCHMARKS.md"),
+            root().join("BENCHMARKS.md"),
         )
     };
     let header = report::Header {
         title: title.into(),
         command: command.into(),
-        machine: machine(built),
+        machine: report::machine(built),
         conditions,
-        methods: METHODS,
+        methods: report::METHODS,
     };
     println!("\n{}", report::console(rows));
     let md = report::markdown(&header, rows);

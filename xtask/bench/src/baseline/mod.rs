@@ -24,7 +24,7 @@ pub use namespaces::{knows_namespaces, namespaces_row};
 use super::{
     proc::{self, Timed},
     report::{ms, Row, Verdict},
-    split::ScanSplit,
+    scan_split::ScanSplit,
     sys::NsHandle,
     BenchArgs, Ctx,
 };
@@ -111,7 +111,7 @@ pub fn build_commit(rev: &str) -> Result<(PathBuf, String)> {
     let src = root.join(SRC_DIR);
     if src.join(".git").exists() {
         if git_out(&src, &["rev-parse", "HEAD"])? != want {
-            crate::run(
+            crate::run_cmd(
                 Command::new("git")
                     .current_dir(&src)
                     .args(["checkout", "--detach", "--quiet", &want]),
@@ -119,7 +119,7 @@ pub fn build_commit(rev: &str) -> Result<(PathBuf, String)> {
         }
     } else {
         std::fs::create_dir_all(root.join("target"))?;
-        crate::run(
+        crate::run_cmd(
             Command::new("git")
                 .current_dir(&root)
                 .args(["worktree", "add", "--detach"])
@@ -129,7 +129,7 @@ pub fn build_commit(rev: &str) -> Result<(PathBuf, String)> {
     }
     let t0 = Instant::now();
     // Its own xtask, workspace and target dir: nothing of this build is shared with ours.
-    crate::run(
+    crate::run_cmd(
         Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".into()))
             .current_dir(&src)
             .args(["xtask", "build"])
@@ -188,7 +188,7 @@ impl Side {
 
 fn current() -> Side {
     Side {
-        bin: super::agent::bin(),
+        bin: crate::agent::bin(),
         args: &CURRENT_ARGS,
         pin_root: None,
     }
@@ -266,15 +266,6 @@ fn rows_agree(current: usize, baseline: usize) -> bool {
     current.abs_diff(baseline) <= (current.max(baseline) / 100).max(5)
 }
 
-fn median(mut v: Vec<Timed>) -> Timed {
-    v.sort_by_key(|t| t.wall);
-    v[v.len() / 2]
-}
-
-fn fmt_t(t: &Timed) -> String {
-    format!("{} (user {}, sys {})", ms(t.wall), ms(t.user), ms(t.sys))
-}
-
 /// Median times of both over alternated ABBA blocks, and each block's ratio of sums.
 struct Timings {
     current: Timed,
@@ -304,8 +295,8 @@ fn time_both(h: &NsHandle, cur: &Side, base: &Side, pairs: usize) -> Result<Timi
     }
     Ok(Timings {
         runs: c.len(),
-        current: median(c),
-        baseline: median(b),
+        current: Timed::median(c),
+        baseline: Timed::median(b),
         block_ratios,
     })
 }
@@ -376,9 +367,9 @@ pub fn row(ctx: &Ctx, h: &NsHandle, tag: &str, b: &Baseline, _pins: &Pins) -> Re
         result: format!("{r:.3}×"),
         figures: format!(
             "current {}; baseline {} {}; rows {cur_rows} vs {base_rows}; medians of {} runs each, ABBA",
-            fmt_t(&t.current),
+            t.current.show(),
             b.label,
-            fmt_t(&t.baseline),
+            t.baseline.show(),
             t.runs
         ),
         target: format!("≤ {TARGET}×"),

@@ -4,10 +4,10 @@ use std::time::Duration;
 
 use anyhow::Result;
 
-use super::{
+use crate::{
     agent::{Daemon, Scrape},
+    churn::WORKERS,
     load::{self, Churn},
-    measure::WORKERS,
     proc, profile,
     report::{Row, Verdict},
     sys::{NetNs, NsHandle, Sysctl},
@@ -75,7 +75,7 @@ fn window(
     let timeout = Duration::from_secs_f64(4.0 * interval + 60.0);
     let m0: Scrape = d.wait_scans(1.0, timeout)?;
     let rss_kb = proc::status_kb(d.pid(), "VmRSS")?;
-    let kinds = super::footprint::kinds(d.pid())?;
+    let kinds = crate::memory_cpu::kinds(d.pid())?;
     let mut churn = Churn {
         conns: 0,
         elapsed: Duration::ZERO,
@@ -172,7 +172,7 @@ pub fn probe_cost(ctx: &mut Ctx) -> Result<Vec<Row>> {
         Duration::from_secs(plan.dur_b),
     )?;
     let by_parts = if ctx.parts {
-        Some(super::parts::measure(ctx, (&agent_ns.handle(), &h))?)
+        Some(crate::probe_parts::measure(ctx, (&agent_ns.handle(), &h))?)
     } else {
         None
     };

@@ -7,7 +7,7 @@ use std::{process::Command, time::Duration};
 use anyhow::Result;
 
 use super::{daemon::cpu_row, order, Baseline, Pins};
-use crate::bench::{
+use crate::{
     report::{ms, Row},
     sys::NsHandle,
     Ctx,

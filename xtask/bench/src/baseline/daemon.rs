@@ -19,10 +19,9 @@ use std::{path::Path, time::Duration};
 use anyhow::{bail, Result};
 
 use super::{judge, order, Baseline, Pins, PIN_ROOT, TARGET};
-use crate::bench::{
+use crate::{
     agent::{Daemon, Side},
     load::Holders,
-    proc,
     report::{ms, Row, Verdict},
     sys::{self, NsHandle},
     Ctx,
@@ -56,17 +55,12 @@ fn window(
     };
     // The first scans set up what later scans reuse (first-seen times, owners' facts).
     d.wait_scans(2.0, Duration::from_secs(120))?;
-    let (u0, s0) = proc::cpu_times(d.pid())?;
-    let m0 = d.scrape()?;
-    sys::sleep(Duration::from_secs_f64(secs))?;
-    let (u1, s1) = proc::cpu_times(d.pid())?;
-    let m1 = d.scrape()?;
+    let w = d.window(1, |_| sys::sleep(Duration::from_secs_f64(secs)))?;
     drop(d);
-    let scans = m1.scans() - m0.scans();
-    if scans < 1.0 {
+    if w.scans() < 1.0 {
         bail!("daemon ({tag}) completed no scan in {secs} s");
     }
-    Ok((u1 + s1).saturating_sub(u0 + s0).div_f64(scans))
+    Ok(w.cpu().div_f64(w.scans()))
 }
 
 /// The median of CPU-per-scan windows.
