@@ -6,7 +6,7 @@
 //! (target/bpfel-unknown-none/release). Without the variable nothing is set: the shipped build.
 use std::{env, path::Path};
 
-const VARIANTS: [&str; 7] = [
+const VARIANTS: [&str; 8] = [
     "count-only",
     "no-map",
     "no-ring",
@@ -14,6 +14,7 @@ const VARIANTS: [&str; 7] = [
     "ktime",
     "hash",
     "batch32",
+    "sk-storage",
 ];
 /// The name of the only target directory a variant may be built in.
 const VARIANTS_DIR: &str = "bench-variants";

@@ -51,7 +51,14 @@ pub mod names {
     pub const PROG_FLUSH: &str = "connreap_flush_events";
     /// aya-log's ring of the programs' log records (the name aya-log-ebpf gives it).
     pub const LOGS: &str = "AYA_LOGS";
+    /// Bench-only `sk-storage`: the per-socket storage map and its iterator.
+    pub const SK_MAP: &str = "CONNREAP_SK";
+    pub const PROG_ITER_SK: &str = "connreap_iter_sk";
 }
+
+/// Whether this is the bench-only `sk-storage` build (per-socket storage and one
+/// `iter/bpf_sk_storage_map` pass: agent-ebpf's sk_storage.rs). Always false when shipped.
+pub const SK_STORAGE: bool = cfg!(tracker_variant = "sk-storage");
 
 /// The fallback destroy path (`connreap_iter_destroy`): an `iter/tcp` program calling the
 /// `bpf_sock_destroy` kfunc for the sockets userspace put into `CONNREAP_DESTROY`.

@@ -12,10 +12,15 @@ mod netns_socks;
 mod programs;
 // The bench-only `hash` tracker keeps its own map: the table's writers are unused there.
 #[cfg(target_arch = "bpf")]
-#[cfg_attr(tracker_variant = "hash", allow(dead_code))]
+#[cfg_attr(
+    any(tracker_variant = "hash", tracker_variant = "sk-storage"),
+    allow(dead_code)
+)]
 mod state;
 #[cfg(target_arch = "bpf")]
 mod tracker;
+#[cfg(all(target_arch = "bpf", tracker_variant = "sk-storage"))]
+mod sk_storage;
 
 #[cfg(not(target_arch = "bpf"))]
 fn main() {}

@@ -91,8 +91,9 @@ fn elsewhere(socket: *const u8, sk: u64) -> Option<(u32, SockRecord)> {
     let state: u8 = sk_field(tp, off!(skc_state));
     let addrs = addresses(tp, family)?;
     // The socket's address as a number for the state table (a probe read gives a plain value).
+    let sk_number = read::<u64>(socket as u64 + off!(socket_sk));
     let full = full_sock(
-        read::<u64>(socket as u64 + off!(socket_sk)),
+        || crate::state::get(sk_number),
         tp,
         state,
         |p, o| read::<u32>(p as u64 + o),

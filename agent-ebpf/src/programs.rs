@@ -17,8 +17,8 @@ use aya_ebpf::{
 };
 use aya_log_ebpf::{error, warn};
 use connreap_ebpf::{
-    counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, AF_INET,
-    AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM,
+    counter, sock_flags, tcp_state, EventBatch, KernelOffsets, OwnerRecord, SockRecord, StateEntry,
+    AF_INET, AF_INET6, EVENTS_RING_BYTES, SOCK_STREAM,
 };
 
 #[no_mangle]
@@ -167,7 +167,7 @@ pub(crate) struct FullSock {
 /// tcp_sock view in iter/tcp, a checked read where the pointer is typed only as struct sock).
 #[inline(always)]
 pub(crate) fn full_sock(
-    sk_number: u64,
+    record: impl FnOnce() -> Option<*const StateEntry>,
     tp: *const u8,
     state: u8,
     tcp: impl Fn(*const u8, u64) -> u32,
@@ -216,9 +216,9 @@ pub(crate) fn full_sock(
         idle,
         state_age_jiffies: 0,
     };
-    if let Some(entry) = crate::state::get(sk_number) {
-        // SAFETY: a record of the state table; the socket's lock, which the iterator holds,
-        // keeps its own transitions from changing it meanwhile.
+    if let Some(entry) = record() {
+        // SAFETY: the socket's record (in the state table, or its own storage); the socket's
+        // lock, which the iterator holds, keeps its own transitions from changing it meanwhile.
         let entry = unsafe { &*entry };
         if entry.state == state {
             out.state_age_jiffies = now_j.wrapping_sub(entry.since_jiffies);
@@ -295,7 +295,8 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
     } else {
         // The socket's address as a number for the state table (see state.rs): the context's
         // pointer field read through a probe read is a plain value to the verifier.
-        full_sock(read::<u64>(ctx as u64 + 8), tp, state, |p, o| {
+        let sk_number = read::<u64>(ctx as u64 + 8);
+        full_sock(|| crate::state::get(sk_number), tp, state, |p, o| {
             sk_field(p, o)
         })
     };

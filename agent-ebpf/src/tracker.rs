@@ -29,6 +29,8 @@ use crate::{
 };
 #[cfg(tracker_variant = "hash")]
 use hash::track;
+#[cfg(tracker_variant = "sk-storage")]
+use crate::sk_storage::track;
 
 #[btf_tracepoint(function = "inet_sock_set_state")]
 pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
@@ -127,7 +129,7 @@ fn now() -> u64 {
 }
 
 /// Keep the socket's record in the state table: written on every transition, freed on close.
-#[cfg(not(tracker_variant = "hash"))]
+#[cfg(not(any(tracker_variant = "hash", tracker_variant = "sk-storage")))]
 #[inline(always)]
 fn track(t: &Transition, batch: *mut EventBatch) {
     // The socket's address as a plain number (see EventBatch::scratch and state.rs).
@@ -145,24 +147,24 @@ fn track(t: &Transition, batch: *mut EventBatch) {
 }
 
 /// What the tracker read about one transition.
-struct Transition {
+pub(crate) struct Transition {
     now: u64,
     /// The socket's address: to the verifier, still the tracepoint's trusted pointer (a cast
     /// is no instruction), so `fill` reads through it what only events carry.
-    skaddr: u64,
+    pub(crate) skaddr: u64,
     saddr: [u64; 2],
     daddr: [u64; 2],
     family: u16,
     sport: u16,
     dport: u16,
     oldstate: u8,
-    newstate: u8,
+    pub(crate) newstate: u8,
 }
 
 impl Transition {
     /// The socket's record in the state table.
     #[inline(always)]
-    fn entry(&self) -> StateEntry {
+    pub(crate) fn entry(&self) -> StateEntry {
         StateEntry {
             since_jiffies: self.now,
             saddr: bytes16(self.saddr),

@@ -90,6 +90,8 @@ pub enum KernelError {
     MissingMap(&'static str),
     #[error("cannot find the pinned program whose log ring to read")]
     LogProgram(#[source] aya::programs::ProgramError),
+    #[error("sk-storage pass: {0}")]
+    SkPass(String),
     #[error("cannot read the BPF programs' log ring")]
     Log(#[source] aya_log::Error),
     #[error("BPF map {name} cannot be used")]

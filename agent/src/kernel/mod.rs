@@ -25,6 +25,7 @@ mod pin_users;
 mod pins;
 pub mod procfs;
 pub mod ring;
+mod sk_pass;
 mod too_old;
 mod tracker;
 
@@ -289,6 +290,11 @@ impl Kernel {
             let _ = fs::remove_file(&pin);
             it.pin(&pin).map_err(KernelError::pin(&pin))?;
         }
+        if connreap_ebpf::SK_STORAGE {
+            if let Err(e) = sk_pass::load(&mut loaded, &btf, pin_dir) {
+                tracing::warn!(error = %format!("{:#}", anyhow::Error::new(e)), "bench-only sk-storage build: no storage pass");
+            }
+        }
         let flush: &mut RawTracePoint = loaded.program(names::PROG_FLUSH)?;
         flush
             .load()
@@ -316,6 +322,9 @@ pub(crate) fn with_pinned_maps<'a, 'l>(
 ) -> &'l mut EbpfLoader<'a> {
     for (name, pin) in SHARED_MAPS {
         loader.map_pin_path(name, pin_dir.join(pin));
+    }
+    if connreap_ebpf::SK_STORAGE {
+        loader.map_pin_path(names::SK_MAP, pin_dir.join(sk_pass::MAP_PIN));
     }
     loader
 }

@@ -26,7 +26,7 @@ const PIN_ROOT_ENV: &str = "CONNREAP_PIN_ROOT";
 
 /// Every pin connreap creates in its object-hash directory: the tracker's link, the maps it
 /// shares, the iterators and the flush program. Nothing else there is ever removed.
-pub(super) const PIN_NAMES: [&str; 10] = [
+pub(super) const PIN_NAMES: [&str; 12] = [
     "link",
     "state",
     "events",
@@ -37,6 +37,9 @@ pub(super) const PIN_NAMES: [&str; 10] = [
     "iter_task_file",
     "iter_netns_socks",
     "flush",
+    // The bench-only sk-storage build's map and iterator (see sk_pass.rs).
+    "sk",
+    "iter_sk",
 ];
 
 /// `statfs(2)`'s f_type of a bpf filesystem.

@@ -352,6 +352,9 @@ impl Scanner {
             merge_us = us(dumps_done.elapsed()),
             "scan"
         );
+        if connreap_ebpf::SK_STORAGE {
+            self.kernel.log_sk_pass();
+        }
         Ok(table)
     }
 }
