@@ -64,6 +64,10 @@ pub struct BenchArgs {
     /// it (builds an extra agent per variant first: a few minutes).
     #[arg(long)]
     probe_parts: bool,
+    /// With --probe-parts: only these variants (comma-separated names from probe_parts.rs),
+    /// each still measured against the shipped program.
+    #[arg(long, value_delimiter = ',', requires = "probe_parts")]
+    variants: Vec<String>,
     /// Only these measures (1-7, comma-separated); writes target/bench-partial.md.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
@@ -133,6 +137,8 @@ pub struct Ctx {
     pub smoke: bool,
     /// Measure the tracker by parts (the variant agents are built).
     pub parts: bool,
+    /// The variants measured (all when empty).
+    pub variants: Vec<String>,
     /// Profile with perf to explain figures.
     pub perf: bool,
     /// Configs and daemon logs.
@@ -159,6 +165,7 @@ impl Ctx {
         Ctx {
             smoke: args.smoke,
             parts: args.probe_parts,
+            variants: args.variants.clone(),
             perf: args.profile && profile::available(),
             dir,
             baseline,
@@ -281,7 +288,8 @@ fn prepare(
         .unwrap_or_default();
     agent::use_copy_in(&dir)?;
     if args.probe_parts {
-        probe_parts::build(&dir, builds)?;
+        probe_parts::check_variants(&args.variants)?;
+        probe_parts::build(&dir, builds, &args.variants)?;
     }
     let base = baseline::resolve(args, &dir)?;
     if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) && !args.only.contains(&7)

@@ -29,7 +29,7 @@ use crate::{
 };
 
 /// (variant, what that build of connreap_set_state does). "full" is the shipped program.
-pub const VARIANTS: [(&str, &str); 8] = [
+pub const VARIANTS: [(&str, &str); 9] = [
     (
         "full",
         "the shipped program: state table + events staged per CPU, one ring record per 64",
@@ -62,8 +62,34 @@ pub const VARIANTS: [(&str, &str); 8] = [
         "the shipped program sending one ring record per 32 events instead of 64 (the design \
          before it)",
     ),
+    (
+        "sk-storage",
+        "the shipped program with the per-socket state in per-socket storage \
+         (BPF_MAP_TYPE_SK_STORAGE, freed with the socket, no bound) instead of the \
+         set-associative table (the candidate for one pass over every namespace)",
+    ),
 ];
 const ROUNDS: usize = 3;
+
+/// The variants (not "full") named in `only`, or all of them.
+fn selected(only: &[String]) -> Vec<(&'static str, &'static str)> {
+    VARIANTS[1..]
+        .iter()
+        .copied()
+        .filter(|(v, _)| only.is_empty() || only.iter().any(|o| o == v))
+        .collect()
+}
+
+/// Every name in `only` is a variant.
+pub fn check_variants(only: &[String]) -> Result<()> {
+    for o in only {
+        if !VARIANTS[1..].iter().any(|(v, _)| v == o) {
+            let names: Vec<&str> = VARIANTS[1..].iter().map(|(v, _)| *v).collect();
+            anyhow::bail!("--variants: no variant `{o}` (variants: {})", names.join(", "));
+        }
+    }
+    Ok(())
+}
 
 fn bin_of(dir: &Path, variant: &str) -> PathBuf {
     if variant == "full" {
@@ -86,9 +112,9 @@ pub fn variants_dir() -> PathBuf {
 
 /// Build an agent per variant (its tracker and the agent around it, both in
 /// [`variants_dir`]) and copy it into `dir`.
-pub fn build(dir: &Path, builds: &crate::Builds) -> Result<()> {
+pub fn build(dir: &Path, builds: &crate::Builds, only: &[String]) -> Result<()> {
     let target = variants_dir();
-    for (v, _) in VARIANTS.iter().filter(|v| v.0 != "full") {
+    for (v, _) in selected(only) {
         eprintln!("bench: building the {v} variant of the tracker");
         let mut bpf = (builds.ebpf_cargo)("build")?;
         bpf.env(VARIANT_ENV, v).env("CARGO_TARGET_DIR", &target);
@@ -194,7 +220,7 @@ fn pair(
 /// (a third program on the tracepoint would take the first run's misses for both).
 pub fn measure(ctx: &Ctx, handles: (&NsHandle, &NsHandle)) -> Result<(Vec<String>, String)> {
     agent::connreap(&["unpin", "--force"])?;
-    let others = &VARIANTS[1..];
+    let others = selected(&ctx.variants);
     // Per variant: the difference (variant − full) of each round, and the order effect.
     let mut diffs: Vec<Vec<f64>> = vec![Vec::new(); others.len()];
     let mut order: Vec<f64> = Vec::new();
@@ -250,8 +276,10 @@ pub fn measure(ctx: &Ctx, handles: (&NsHandle, &NsHandle)) -> Result<(Vec<String
          transition as its own ring record instead of per-CPU batches costs {:+.0} ns/run; \
          stamping with bpf_ktime_get_ns instead of jiffies {:+.0} ns/run; keeping the state in \
          the kernel's hash map instead of the set-associative table {:+.0} ns/run; one ring record \
-         per 32 events instead of 64 {:+.0} ns/run. Of the shipped program's time, ≈ {o:.0} ns/run are cache \
-         misses on the socket that a second program on the same tracepoint does not pay.",
+         per 32 events instead of 64 {:+.0} ns/run; per-socket storage instead of the table \
+         {:+.0} ns/run (NaN: a variant not measured in this run). Of the shipped program's time, \
+         ≈ {o:.0} ns/run are cache misses on the socket that a second program on the same \
+         tracepoint does not pay.",
         -of("no-ring"),
         of("no-ring"),
         -of("no-map"),
@@ -261,7 +289,8 @@ pub fn measure(ctx: &Ctx, handles: (&NsHandle, &NsHandle)) -> Result<(Vec<String
         of("unbatched"),
         of("ktime"),
         of("hash"),
-        of("batch32")
+        of("batch32"),
+        of("sk-storage")
     );
     Ok((lines, diagnosis))
 }
