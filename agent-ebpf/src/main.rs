@@ -11,6 +11,8 @@ mod netns_socks;
 #[cfg(target_arch = "bpf")]
 mod programs;
 // The bench-only `hash` tracker keeps its own map: the table's writers are unused there.
+#[cfg(all(target_arch = "bpf", tracker_variant = "sk-storage"))]
+mod sk_storage;
 #[cfg(target_arch = "bpf")]
 #[cfg_attr(
     any(tracker_variant = "hash", tracker_variant = "sk-storage"),
@@ -19,8 +21,6 @@ mod programs;
 mod state;
 #[cfg(target_arch = "bpf")]
 mod tracker;
-#[cfg(all(target_arch = "bpf", tracker_variant = "sk-storage"))]
-mod sk_storage;
 
 #[cfg(not(target_arch = "bpf"))]
 fn main() {}

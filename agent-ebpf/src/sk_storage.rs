@@ -89,9 +89,12 @@ fn try_iter_sk(ctx: *mut c_void) -> Result<(), i64> {
     if tp.is_null() {
         return Ok(());
     }
-    let full = full_sock(|| Some(value as *const StateEntry), tp, state, |p, o| {
-        sk_field(p, o)
-    });
+    let full = full_sock(
+        || Some(value as *const StateEntry),
+        tp,
+        state,
+        |p, o| sk_field(p, o),
+    );
     let mut rec = sock_record(sk, skc, family, state, addrs, &full, 0, 0);
     let net: *const u8 = sk_field(skc, off!(skc_net));
     rec._pad = if net.is_null() {

@@ -23,14 +23,14 @@ use connreap_ebpf::{
     IPPROTO_TCP,
 };
 
+#[cfg(tracker_variant = "sk-storage")]
+use crate::sk_storage::track;
 use crate::{
     off,
     programs::{addr16, bump, bump_by, bytes16, sk_field, CONNREAP_EVENTS, CONNREAP_STAGING},
 };
 #[cfg(tracker_variant = "hash")]
 use hash::track;
-#[cfg(tracker_variant = "sk-storage")]
-use crate::sk_storage::track;
 
 #[btf_tracepoint(function = "inet_sock_set_state")]
 pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {

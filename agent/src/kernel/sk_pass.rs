@@ -68,8 +68,8 @@ pub fn run(pin_dir: &Path) -> Result<Pass, KernelError> {
     let prog = ProgramInfo::from_pin(pin_dir.join(ITER_PIN))
         .and_then(|p| p.fd())
         .map_err(|e| KernelError::SkPass(e.to_string()))?;
-    let map = MapData::from_pin(pin_dir.join(MAP_PIN))
-        .map_err(|e| KernelError::SkPass(e.to_string()))?;
+    let map =
+        MapData::from_pin(pin_dir.join(MAP_PIN)).map_err(|e| KernelError::SkPass(e.to_string()))?;
     let map_fd: u32 = map.fd().as_fd().as_raw_fd() as u32;
     let mut attr = [0u8; 128];
     attr[0..4].copy_from_slice(&(prog.as_fd().as_raw_fd() as u32).to_ne_bytes());

@@ -85,7 +85,10 @@ pub fn check_variants(only: &[String]) -> Result<()> {
     for o in only {
         if !VARIANTS[1..].iter().any(|(v, _)| v == o) {
             let names: Vec<&str> = VARIANTS[1..].iter().map(|(v, _)| *v).collect();
-            anyhow::bail!("--variants: no variant `{o}` (variants: {})", names.join(", "));
+            anyhow::bail!(
+                "--variants: no variant `{o}` (variants: {})",
+                names.join(", ")
+            );
         }
     }
     Ok(())
