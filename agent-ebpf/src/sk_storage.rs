@@ -11,7 +11,7 @@ use core::ffi::c_void;
 use aya_ebpf::{
     bindings::BPF_SK_STORAGE_GET_F_CREATE,
     btf_maps::SkStorage,
-    helpers::generated::{self as gen, bpf_sk_storage_delete, bpf_sk_storage_get},
+    helpers::generated::{self as gen, bpf_sk_storage_get},
     macros::btf_map,
 };
 use connreap_ebpf::{counter, tcp_state, EventBatch, StateEntry};
@@ -35,8 +35,8 @@ pub(crate) fn track(t: &Transition, _batch: *mut EventBatch) {
     // `t.skaddr` is, to the verifier, the tracepoint's trusted socket pointer.
     let sk = t.skaddr as *mut c_void;
     if t.newstate == tcp_state::CLOSE {
-        // SAFETY: a trusted socket pointer and this object's storage map.
-        unsafe { bpf_sk_storage_delete(map(), sk) };
+        // The kernel frees the storage with the socket; deleting it here as the table's
+        // `remove` does cost more in the probe (measured in BENCHMARKS.md).
         return;
     }
     // SAFETY: as above; the value is created zeroed when the socket has none.
