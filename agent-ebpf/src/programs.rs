@@ -296,12 +296,7 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         // The socket's address as a number for the state table (see state.rs): the context's
         // pointer field read through a probe read is a plain value to the verifier.
         let sk_number = read::<u64>(ctx as u64 + 8);
-        full_sock(
-            || crate::state::get(sk_number),
-            tp,
-            state,
-            |p, o| sk_field(p, o),
-        )
+        full_sock(|| crate::state::get(sk_number), tp, state, sk_field::<u32>)
     };
     let rec = sock_record(sk, skc, family, state, addrs, &full, uid, tw_entry_ms);
     // SAFETY: seq is the iterator's seq_file.

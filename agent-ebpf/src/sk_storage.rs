@@ -93,7 +93,7 @@ fn try_iter_sk(ctx: *mut c_void) -> Result<(), i64> {
         || Some(value as *const StateEntry),
         tp,
         state,
-        |p, o| sk_field(p, o),
+        sk_field::<u32>,
     );
     let mut rec = sock_record(sk, skc, family, state, addrs, &full, 0, 0);
     let net: *const u8 = sk_field(skc, off!(skc_net));
