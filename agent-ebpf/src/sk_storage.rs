@@ -14,12 +14,11 @@ use aya_ebpf::{
     helpers::generated::{self as gen, bpf_sk_storage_get},
     macros::btf_map,
 };
-use connreap_ebpf::{counter, tcp_state, EventBatch, StateEntry};
+use connreap_ebpf::{counter, tcp_state, StateEntry};
 
 use crate::{
     off,
     programs::{addresses, bump, full_sock, offsets_set, seq_write, sk_field, sock_record},
-    tracker::Transition,
 };
 
 #[btf_map]
@@ -29,12 +28,12 @@ fn map() -> *mut c_void {
     &CONNREAP_SK as *const SkStorage<StateEntry> as *mut c_void
 }
 
-/// The shipped `track`, on per-socket storage.
+/// The shipped `track`, on per-socket storage: `skaddr` is, to the verifier, still the
+/// tracepoint's trusted socket pointer, `entry` the record for the state it entered.
 #[inline(always)]
-pub(crate) fn track(t: &Transition, _batch: *mut EventBatch) {
-    // `t.skaddr` is, to the verifier, the tracepoint's trusted socket pointer.
-    let sk = t.skaddr as *mut c_void;
-    if t.newstate == tcp_state::CLOSE {
+pub(crate) fn track(skaddr: u64, newstate: u8, entry: &StateEntry) {
+    let sk = skaddr as *mut c_void;
+    if newstate == tcp_state::CLOSE {
         // The kernel frees the storage with the socket; deleting it here as the table's
         // `remove` does cost more in the probe (measured in BENCHMARKS.md).
         return;
@@ -52,7 +51,7 @@ pub(crate) fn track(t: &Transition, _batch: *mut EventBatch) {
         bump(counter::MAP_FULL);
     } else {
         // SAFETY: this socket's storage value; its transitions run under its lock.
-        unsafe { *p = t.entry() };
+        unsafe { *p = *entry };
     }
 }
 

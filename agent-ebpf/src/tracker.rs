@@ -23,14 +23,20 @@ use connreap_ebpf::{
     IPPROTO_TCP,
 };
 
-#[cfg(tracker_variant = "sk-storage")]
-use crate::sk_storage::track;
 use crate::{
     off,
     programs::{addr16, bump, bump_by, bytes16, sk_field, CONNREAP_EVENTS, CONNREAP_STAGING},
 };
 #[cfg(tracker_variant = "hash")]
 use hash::track;
+
+/// Bench-only `sk-storage`: the record in the socket's own storage (agent-ebpf's sk_storage.rs,
+/// which knows nothing of this module).
+#[cfg(tracker_variant = "sk-storage")]
+#[inline(always)]
+fn track(t: &Transition, _batch: *mut EventBatch) {
+    crate::sk_storage::track(t.skaddr, t.newstate, &t.entry());
+}
 
 #[btf_tracepoint(function = "inet_sock_set_state")]
 pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
@@ -147,24 +153,24 @@ fn track(t: &Transition, batch: *mut EventBatch) {
 }
 
 /// What the tracker read about one transition.
-pub(crate) struct Transition {
+struct Transition {
     now: u64,
     /// The socket's address: to the verifier, still the tracepoint's trusted pointer (a cast
     /// is no instruction), so `fill` reads through it what only events carry.
-    pub(crate) skaddr: u64,
+    skaddr: u64,
     saddr: [u64; 2],
     daddr: [u64; 2],
     family: u16,
     sport: u16,
     dport: u16,
     oldstate: u8,
-    pub(crate) newstate: u8,
+    newstate: u8,
 }
 
 impl Transition {
     /// The socket's record in the state table.
     #[inline(always)]
-    pub(crate) fn entry(&self) -> StateEntry {
+    fn entry(&self) -> StateEntry {
         StateEntry {
             since_jiffies: self.now,
             saddr: bytes16(self.saddr),
