@@ -48,6 +48,8 @@ pub mod names {
     pub const DESTROY_MAP: &str = "CONNREAP_DESTROY";
     pub const PROG_ITER_DESTROY: &str = "connreap_iter_destroy";
     pub const STAGING: &str = "CONNREAP_STAGING";
+    pub const SWEEP_MAP: &str = "CONNREAP_SWEEP";
+    pub const PROG_SWEEP: &str = "connreap_sweep";
     pub const PROG_FLUSH: &str = "connreap_flush_events";
     /// aya-log's ring of the programs' log records (the name aya-log-ebpf gives it).
     pub const LOGS: &str = "AYA_LOGS";
@@ -171,6 +173,9 @@ pub struct KernelOffsets {
     pub task_nsproxy: u32,
     pub nsproxy_net_ns: u32,
     pub sk_uid: u32,
+    /// A listener's request sockets (SYN_RECV): `inet_connection_sock.icsk_accept_queue.qlen`,
+    /// read by the sweep.
+    pub icsk_qlen: u32,
 }
 
 impl KernelOffsets {
@@ -215,6 +220,7 @@ impl KernelOffsets {
             task_nsproxy: 0,
             nsproxy_net_ns: 0,
             sk_uid: 0,
+            icsk_qlen: 0,
         }
     }
 }
@@ -350,6 +356,9 @@ pub mod sock_flags {
     pub const TW_ENTRY: u8 = 4;
     /// TCP keepalive is on for the socket (`SO_KEEPALIVE`: `SOCK_KEEPOPEN` in `sk_flags`).
     pub const KEEPALIVE: u8 = 8;
+    /// A full socket the state table has no record of (its set is full): the sweep cannot
+    /// see it, so only a walk of its namespace (iter/tcp) reads it.
+    pub const UNTRACKED: u8 = 16;
 }
 
 /// One socket from the `iter/tcp` dump.
@@ -383,6 +392,23 @@ pub struct SockRecord {
     /// low 32 bits (the kernel's `tw_entry_stamp`, Linux 6.13+).
     pub tw_entry_ms: u32,
     pub _pad: u32,
+}
+
+/// Sets of the state table one run of the sweep program reads (`connreap_sweep`): its output
+/// array holds one record per way of these.
+pub const SWEEP_SETS: u32 = 32;
+
+/// One socket from the sweep over the state table: its record as iter/tcp would give it, and
+/// the inode of its network namespace.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SweepRecord {
+    pub sock: SockRecord,
+    /// `net.ns.inum` of the socket's namespace; 0 when it could not be read.
+    pub netns: u32,
+    /// A listener's request sockets (connections in SYN_RECV, which are not full sockets and
+    /// so never in the table); 0 for other sockets.
+    pub requests: u32,
 }
 
 /// One (socket, process) pair from the `iter/task_file` dumps.
@@ -431,6 +457,7 @@ mod pod {
         SockRecord,
         OwnerRecord,
         HeldElsewhere,
+        SweepRecord,
         DestroyRequest,
         EventBatch
     );
@@ -447,4 +474,5 @@ const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 48) * STATE_WAYS)
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 40);
 const _: () = assert!(core::mem::size_of::<HeldElsewhere>() == 40 + 104);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);
-const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 38 * 4);
+const _: () = assert!(core::mem::size_of::<SweepRecord>() == 104 + 8);
+const _: () = assert!(core::mem::size_of::<KernelOffsets>() == 39 * 4);

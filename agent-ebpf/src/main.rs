@@ -20,6 +20,8 @@ mod sk_storage;
 )]
 mod state;
 #[cfg(target_arch = "bpf")]
+mod sweep;
+#[cfg(target_arch = "bpf")]
 mod tracker;
 
 #[cfg(not(target_arch = "bpf"))]

@@ -220,7 +220,8 @@ pub(crate) fn full_sock(
         // SAFETY: the socket's record (in the state table, or its own storage); the socket's
         // lock, which the iterator holds, keeps its own transitions from changing it meanwhile.
         let entry = unsafe { &*entry };
-        if entry.state == state {
+        // A record the iterator seeded (since 0) has no known age.
+        if entry.state == state && entry.since_jiffies != 0 {
             out.state_age_jiffies = now_j.wrapping_sub(entry.since_jiffies);
             out.flags |= sock_flags::SINCE_KNOWN;
         }
@@ -296,11 +297,47 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         // The socket's address as a number for the state table (see state.rs): the context's
         // pointer field read through a probe read is a plain value to the verifier.
         let sk_number = read::<u64>(ctx as u64 + 8);
-        full_sock(|| crate::state::get(sk_number), tp, state, sk_field::<u32>)
+        let mut full = full_sock(|| crate::state::get(sk_number), tp, state, sk_field::<u32>);
+        if full.flags & sock_flags::SINCE_KNOWN == 0 {
+            seed(sk_number, skc, family, state, addrs, &mut full);
+        }
+        full
     };
     let rec = sock_record(sk, skc, family, state, addrs, &full, uid, tw_entry_ms);
     // SAFETY: seq is the iterator's seq_file.
     unsafe { seq_write(seq, &rec) }
+}
+
+/// Give a full socket the tracker has no record of (it predates the tracker, or its set was
+/// full) a record of its current state with no known age (`since_jiffies` 0), so that the
+/// sweep (sweep.rs) reads it from now on; `UNTRACKED` when its set is still full. The
+/// iterator holds the socket's lock, as the tracker's writes do. A record of the socket in
+/// another state (a transition under way) is left alone.
+#[inline(always)]
+fn seed(
+    sk: u64,
+    skc: *const u8,
+    family: u16,
+    state: u8,
+    (saddr, daddr): ([u64; 2], [u64; 2]),
+    full: &mut FullSock,
+) {
+    if crate::state::get(sk).is_some() {
+        return;
+    }
+    let entry = StateEntry {
+        since_jiffies: 0,
+        saddr: bytes16(saddr),
+        daddr: bytes16(daddr),
+        family,
+        sport: sk_field(skc, off!(skc_num)),
+        dport: u16::from_be(sk_field(skc, off!(skc_dport))),
+        state,
+        _pad: 0,
+    };
+    if !crate::state::put(sk, &entry) {
+        full.flags |= sock_flags::UNTRACKED;
+    }
 }
 
 /// A socket's local and remote addresses from its sock_common (`skc`), as 16 bytes each;

@@ -56,6 +56,21 @@ fn entry(set: *mut StateSet, i: usize) -> *mut StateEntry {
     unsafe { &mut (*set).entries[i & (STATE_WAYS - 1)] as *mut StateEntry }
 }
 
+/// Set `idx` of the table, for a pass over all of it (sweep.rs).
+#[inline(always)]
+pub(crate) fn set(idx: u32) -> Option<*const StateSet> {
+    CONNREAP_STATE.get_ptr(idx)
+}
+
+/// Way `i` of `set`: its key (0: free) and a copy of its record.
+#[inline(always)]
+pub(crate) fn way(set: *const StateSet, i: usize) -> (u64, StateEntry) {
+    let set = set as *mut StateSet;
+    let k = key(set, i);
+    // SAFETY: a valid set pointer; masked index.
+    (k, unsafe { *entry(set, i) })
+}
+
 /// The record of the socket at `sk`, if it is tracked.
 #[inline(always)]
 pub(crate) fn get(sk: u64) -> Option<*const StateEntry> {

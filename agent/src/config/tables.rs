@@ -24,9 +24,11 @@ settings! {
         scan_interval: Duration = secs(5), range(ms(100), secs(HOUR));
         /// How often each network namespace other than connreap's own is walked whole (each
         /// walk passes over every TCP socket of the host, so walking 100 namespaces on every
-        /// scan costs far more CPU than the scan itself: measure 7 in BENCHMARKS.md). Between walks its sockets held by a process
-        /// are read on every scan; those no process holds (TIME_WAIT, SYN_RECV, orphans, not
-        /// yet accepted) are carried from its last walk. 0s: every namespace on every scan.
+        /// scan costs far more CPU than the scan itself: measure 7 in BENCHMARKS.md). Between
+        /// walks, one sweep over the state tracker's table reads every namespace's full
+        /// sockets (held or not) on every scan; its TIME_WAIT and SYN_RECV sockets are
+        /// carried from its last walk, and a walk that would read nothing else is skipped.
+        /// 0s: every namespace on every scan.
         #[serde(with = "humantime_serde")]
         netns_walk_interval: Duration = secs(60), range(secs(0), secs(HOUR));
         /// Host name in alerts; empty = the kernel's host name.

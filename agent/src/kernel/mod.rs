@@ -26,6 +26,7 @@ mod pins;
 pub mod procfs;
 pub mod ring;
 mod sk_pass;
+pub mod sweep;
 mod too_old;
 mod tracker;
 
@@ -100,6 +101,8 @@ pub struct SocketDump {
     /// Of those, namespaces other than connreap's own, and their dumps' time in the kernel.
     pub others: usize,
     pub others_in_kernel: Duration,
+    /// Namespaces entered but not dumped (see [`Kernel::for_each_socket_where`]).
+    pub quiet: usize,
     /// Namespaces that went away between discovery and their dump.
     pub gone: usize,
     /// Namespaces that could not be entered or dumped (inode, why): their sockets are missing
@@ -115,6 +118,8 @@ pub struct Kernel {
     iter_files: Iter,
     /// Sockets held by processes in namespaces other than the reader's (iter/task_file).
     iter_netns_socks: Iter,
+    /// Every tracked socket of every namespace (see `sweep`).
+    sweeper: sweep::Sweeper,
     memory: memory::MapMemory,
     /// Whether the tracker is still attached through this process's pins (see `tracker`).
     tracker: tracker::Watch,
@@ -175,6 +180,7 @@ impl SocketDump {
         self.namespaces += more.namespaces;
         self.others += more.others;
         self.others_in_kernel += more.others_in_kernel;
+        self.quiet += more.quiet;
         self.gone += more.gone;
         self.failed.append(&mut more.failed);
     }
@@ -227,7 +233,8 @@ impl Kernel {
             && tcp_pin.exists()
             && files_pin.exists()
             && netns_pin.exists()
-            && flush_pin.exists();
+            && flush_pin.exists()
+            && pin_dir.join(sweep::PROG_PIN).exists();
         let pinned = if reuse {
             Maps::from_pins(&pin_dir)
                 .map_err(
@@ -249,6 +256,7 @@ impl Kernel {
             iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
             iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
             iter_netns_socks: from_pin(&netns_pin, names::PROG_ITER_NETNS_SOCKS)?,
+            sweeper: sweep::Sweeper::open(&pin_dir)?,
             ebpf: maps,
             tracker: tracker::Watch::new(&memory),
             memory,
@@ -295,24 +303,28 @@ impl Kernel {
                 tracing::warn!(error = %format!("{:#}", anyhow::Error::new(e)), "bench-only sk-storage build: no storage pass");
             }
         }
-        let flush: &mut RawTracePoint = loaded.program(names::PROG_FLUSH)?;
-        flush
-            .load()
-            .map_err(|e| program_error(verbose, names::PROG_FLUSH, e))?;
-        let pin = pin_dir.join("flush");
-        let _ = fs::remove_file(&pin);
-        flush.pin(&pin).map_err(KernelError::pin(&pin))?;
+        for (prog, pin) in [
+            (names::PROG_FLUSH, "flush"),
+            (names::PROG_SWEEP, sweep::PROG_PIN),
+        ] {
+            let raw: &mut RawTracePoint = loaded.program(prog)?;
+            raw.load().map_err(|e| program_error(verbose, prog, e))?;
+            let pin = pin_dir.join(pin);
+            let _ = fs::remove_file(&pin);
+            raw.pin(&pin).map_err(KernelError::pin(&pin))?;
+        }
         Ok(Maps::from_object(&mut loaded.ebpf))
     }
 }
 
 /// The maps every load of the object shares with the pinned tracker (name, pin file).
-const SHARED_MAPS: [(&str, &str); 5] = [
+const SHARED_MAPS: [(&str, &str); 6] = [
     (names::STATE_MAP, "state"),
     (names::EVENTS, "events"),
     (names::COUNTERS, "counters"),
     (names::STAGING, "staging"),
     (names::LOGS, "logs"),
+    (names::SWEEP_MAP, sweep::MAP_PIN),
 ];
 
 /// Point the loader at the pins of [`SHARED_MAPS`] (created on the first load, reused after).
@@ -399,12 +411,24 @@ impl Kernel {
         spaces: &[netns::Namespace],
         f: impl FnMut(NsEvent<'_>) + Send,
     ) -> Result<SocketDump, KernelError> {
-        Self::sockets_in(&mut self.iter_tcp, spaces, f)
+        Self::sockets_in(&mut self.iter_tcp, spaces, |_| true, f)
+    }
+
+    /// [`Kernel::for_each_socket`], but a namespace is dumped only when `walk`, asked inside
+    /// it after its [`NsEvent::Enter`], says so (the others count as `quiet`).
+    pub fn for_each_socket_where(
+        &mut self,
+        spaces: &[netns::Namespace],
+        walk: impl FnMut(&netns::Namespace) -> bool + Send,
+        f: impl FnMut(NsEvent<'_>) + Send,
+    ) -> Result<SocketDump, KernelError> {
+        Self::sockets_in(&mut self.iter_tcp, spaces, walk, f)
     }
 
     fn sockets_in(
         it: &mut Iter,
         spaces: &[netns::Namespace],
+        mut walk: impl FnMut(&netns::Namespace) -> bool + Send,
         mut f: impl FnMut(NsEvent<'_>) + Send,
     ) -> Result<SocketDump, KernelError> {
         let mut out = SocketDump::default();
@@ -412,6 +436,10 @@ impl Kernel {
         let mut failed_dumps = Vec::new();
         let failed = netns::visit(spaces, |ns| {
             f(NsEvent::Enter(ns));
+            if !walk(ns) {
+                out.quiet += 1;
+                return;
+            }
             match Self::run_iter(it, "iter/tcp", |r| f(NsEvent::Socket(r))) {
                 Ok(d) => {
                     out.dump.records += d.records;
@@ -439,6 +467,14 @@ impl Kernel {
         }
         out.failed.append(&mut failed_dumps);
         Ok(out)
+    }
+
+    /// Every tracked socket of every network namespace, fresh (see `sweep`).
+    pub fn sweep(
+        &mut self,
+        f: impl FnMut(&connreap_ebpf::SweepRecord),
+    ) -> Result<Dump, KernelError> {
+        Ok(self.sweeper.sweep(f)?)
     }
 
     /// Every (socket, process) pair on the host, one record at a time.
@@ -487,7 +523,7 @@ impl Kernel {
                     Self::run_iter(iter_files, "iter/task_file", |o| on_owner(Owned::Owner(o)))
                 }
             });
-            let sockets = Self::sockets_in(iter_tcp, spaces, on_socket);
+            let sockets = Self::sockets_in(iter_tcp, spaces, |_| true, on_socket);
             let owners = owners.join().unwrap_or_else(|_| {
                 Err(KernelError::iterate("iter/task_file")(IterError::Panicked))
             });

@@ -219,6 +219,7 @@ impl Resolver {
             task_nsproxy: r.offset("task_struct", "nsproxy")?,
             nsproxy_net_ns: r.offset("nsproxy", "net_ns")?,
             sk_uid: r.offset("sock", "sk_uid")?,
+            icsk_qlen: r.offset("inet_connection_sock", "icsk_accept_queue.qlen")?,
         })
     }
 }

@@ -26,6 +26,43 @@ pub fn keepalive() -> Option<crate::table::Keepalive> {
     })
 }
 
+/// What the kernel counts of the TCP sockets of the calling thread's network namespace
+/// (`/proc/thread-self/net/sockstat` and `sockstat6`): no socket is visited to count them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SockStat {
+    /// Hashed full sockets, IPv4 and IPv6 (`TCP: inuse`, `TCP6: inuse`): listening,
+    /// connecting, connected and closing ones.
+    pub inuse: u64,
+    /// Timewait sockets (`TCP: tw`, both families).
+    pub tw: u64,
+}
+
+/// [`SockStat`] of this thread's network namespace; None when unreadable.
+pub fn sockstat() -> Option<SockStat> {
+    let v4 = fs::read_to_string("/proc/thread-self/net/sockstat").ok()?;
+    // Without IPv6 there is no sockstat6.
+    let v6 = fs::read_to_string("/proc/thread-self/net/sockstat6").unwrap_or_default();
+    parse_sockstat(&v4, &v6)
+}
+
+/// The counts of [`sockstat`] from the two files' text; None when `TCP:` lacks them.
+pub fn parse_sockstat(v4: &str, v6: &str) -> Option<SockStat> {
+    fn field(text: &str, line: &str, name: &str) -> Option<u64> {
+        let rest = text.lines().find_map(|l| l.strip_prefix(line))?;
+        let mut words = rest.split_whitespace();
+        while let Some(w) = words.next() {
+            if w == name {
+                return words.next()?.parse().ok();
+            }
+        }
+        None
+    }
+    Some(SockStat {
+        inuse: field(v4, "TCP:", "inuse")? + field(v6, "TCP6:", "inuse").unwrap_or(0),
+        tw: field(v4, "TCP:", "tw")?,
+    })
+}
+
 /// The TCP connections this network namespace's conntrack translated (DNAT/SNAT), from
 /// `/proc/net/nf_conntrack`; empty when connection tracking is not loaded or not readable.
 pub fn conntrack() -> Vec<crate::detect::Nat> {
@@ -123,6 +160,20 @@ mod tests {
         assert_eq!(
             unit_from_cgroup("12:pids:/user.slice/session-4.scope\n").as_deref(),
             Some("session-4.scope")
+        );
+    }
+
+    #[test]
+    fn sockstat_counts_both_families_and_names_a_missing_field() {
+        let v4 = "sockets: used 12\nTCP: inuse 3 orphan 32 tw 157 alloc 44 mem 249\nUDP: inuse 0 mem 0\n";
+        let v6 = "TCP6: inuse 2\nUDP6: inuse 0\n";
+        assert_eq!(parse_sockstat(v4, v6), Some(SockStat { inuse: 5, tw: 157 }));
+        assert_eq!(parse_sockstat(v4, ""), Some(SockStat { inuse: 3, tw: 157 }));
+        assert_eq!(parse_sockstat("TCP: inuse 3 orphan 0\n", v6), None);
+        assert_eq!(parse_sockstat("garbage", ""), None);
+        assert!(
+            sockstat().is_some(),
+            "this thread's namespace has a sockstat"
         );
     }
 }

@@ -96,6 +96,11 @@ impl Look {
             .collect()
     }
 
+    /// Whether namespace `inode` is one of the scan's.
+    pub fn knows(&self, inode: u32) -> bool {
+        self.known.contains(&inode)
+    }
+
     /// Whether no namespace of the last scan is missing from this one's.
     pub fn no_vanished(&self) -> bool {
         self.vanished.is_empty()

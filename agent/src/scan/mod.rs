@@ -20,10 +20,11 @@ use crate::{
     },
     table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
+use connreap_ebpf::SweepRecord;
 use hidden::{Hidden, Look};
 use rustc_hash::{FxHashMap, FxHashSet};
 pub use walk::every as walk_every;
-use walk::{Walked, Walks};
+use walk::{Swept, Walked, Walks};
 
 /// A process's unit and container (with its pod, name and image when known), from one read of
 /// its cgroup file.
@@ -79,6 +80,8 @@ pub struct Scanner {
     walks: Walks,
     /// Namespaces known only through sockets processes hold in them.
     hidden: Hidden,
+    /// What the last sweep read of each namespace (see `walk::worth_walking`).
+    swept: FxHashMap<u32, Swept>,
 }
 
 impl Scanner {
@@ -102,6 +105,7 @@ impl Scanner {
             last_len: 0,
             walks: Walks::new(1),
             hidden: Hidden::default(),
+            swept: FxHashMap::default(),
         }
     }
 
@@ -170,22 +174,22 @@ impl Scanner {
         let discovered = start.elapsed();
         // This scan walks its own namespace, the namespaces never walked or whose turn it is;
         // the others ("between walks") come from the one dump of held sockets below.
-        let (mut to_walk, mut between): (Vec<Namespace>, Vec<Namespace>) = spaces
+        let (to_walk, between): (Vec<Namespace>, Vec<Namespace>) = spaces
             .iter()
             .cloned()
             .partition(|ns| ns.own || parallel || self.walks.due(ns.inode, forced));
-        if !between.is_empty() && self.walks.walk_all_cheaper(between.len()) {
-            to_walk.append(&mut between);
-        }
         // What each walked namespace leaves for the scans between its walks (not the own:
         // walked on every scan, it needs nothing carried).
         let mut walked: Vec<(u32, Option<Walked>)> = Vec::new();
+        // Each entered namespace's part of the table (for the quiet ones' swept rows).
+        let mut entered: FxHashMap<u32, usize> = FxHashMap::default();
         let on_socket = |e: NsEvent<'_>| match e {
             NsEvent::Enter(ns) => {
                 // Read on the thread inside the namespace: its own sysctl.
                 let ephemeral = procfs::ephemeral_ports();
                 let keepalive = procfs::keepalive();
-                let _ = b.begin_namespace(netns_row(ns, keepalive), ephemeral.clone());
+                let part = b.begin_namespace(netns_row(ns, keepalive), ephemeral.clone());
+                entered.insert(ns.inode, part);
                 walked.push((
                     ns.inode,
                     (!ns.own).then(|| Walked {
@@ -198,7 +202,7 @@ impl Scanner {
             }
             NsEvent::Socket(r) => {
                 if let Some((_, Some(w))) = walked.last_mut() {
-                    if walk::unheld(&r) {
+                    if walk::carried_between(&r) {
                         w.unheld.push(r);
                     }
                 }
@@ -213,7 +217,8 @@ impl Scanner {
                 look = None;
             }
         }
-        let (mut all, owners, elsewhere) = if parallel {
+        let mut quiet: Vec<u32> = Vec::new();
+        let (mut all, owners, swept) = if parallel {
             let mut on_socket = on_socket;
             let (mut sockets, owners) = self.kernel.for_each_both(
                 &to_walk,
@@ -240,18 +245,38 @@ impl Scanner {
             }
             (sockets, owners, None)
         } else {
-            let sockets = self.kernel.for_each_socket(&to_walk, on_socket)?;
-            let (owners, elsewhere) = owners_and_between(
+            // A namespace due for its walk that has nothing the sweep cannot read is not walked
+            // ("quiet"): its rows come from the sweep like those between walks.
+            let (walks, last_sweep) = (&self.walks, &self.swept);
+            let must_walk = |ns: &Namespace| {
+                let walk = ns.own
+                    || forced.contains(&ns.inode)
+                    || walks.last(ns.inode).is_none()
+                    || walk::worth_walking(procfs::sockstat(), last_sweep.get(&ns.inode));
+                if !walk {
+                    quiet.push(ns.inode);
+                }
+                walk
+            };
+            let sockets = self
+                .kernel
+                .for_each_socket_where(&to_walk, must_walk, on_socket)?;
+            let quiet_parts: FxHashMap<u32, usize> = quiet
+                .iter()
+                .filter_map(|i| Some((*i, *entered.get(i)?)))
+                .collect();
+            let (owners, swept) = owners_and_between(
                 &mut self.kernel,
                 &self.walks,
                 &between,
+                quiet_parts,
                 look.as_mut(),
                 &mut b,
                 &mut holders,
                 start_ns,
                 self.host.hz,
             )?;
-            (sockets, owners, elsewhere)
+            (sockets, owners, swept)
         };
         let mut kept = 0;
         if let Some(look) = look {
@@ -265,13 +290,8 @@ impl Scanner {
             }
             self.hidden.remember(look.found);
         }
-        self.walks.observe_walks(all.others, all.others_in_kernel);
-        match elsewhere {
-            None => self.walks.observe_owner(owners.in_kernel),
-            Some(_) => self.walks.observe_owner_and_elsewhere(owners.in_kernel),
-        }
         let walked_count = all.namespaces;
-        all.namespaces += between.len() + kept;
+        all.namespaces += all.quiet + between.len() + kept;
         for (inode, w) in walked {
             if let Some(w) = w {
                 self.walks.record(inode, w);
@@ -332,9 +352,8 @@ impl Scanner {
         self.last_len = table.len();
         // Where a scan's time goes, for `RUST_LOG=connreap::scan=debug` and the benchmarks:
         // each dump's time in the kernel (the iterator producing records) and in total (plus
-        // decoding them here; the owner dump's includes reading the sockets of the namespaces
-        // between their walks when there are some), both dumps' wall time (their sum, or the
-        // longer one in a parallel scan), then the merge.
+        // decoding them here), the sweep's when namespaces were between their walks, all
+        // dumps' wall time (their sum, or the longer one in a parallel scan), then the merge.
         let us = |d: Duration| d.as_micros() as u64;
         tracing::debug!(
             namespaces = all.namespaces,
@@ -346,8 +365,10 @@ impl Scanner {
             socket_dump_us = us(sockets.total),
             owner_dump_kernel_us = us(owners.in_kernel),
             owner_dump_us = us(owners.total),
-            owner_dump_reads_elsewhere = elsewhere.is_some(),
-            held_elsewhere = elsewhere.unwrap_or(0),
+            quiet = all.quiet,
+            swept = swept.as_ref().map_or(0, |(d, _)| d.records),
+            sweep_kernel_us = swept.as_ref().map_or(0, |(d, _)| us(d.in_kernel)),
+            sweep_us = swept.as_ref().map_or(0, |(d, _)| us(d.total)),
             dumps_us = us(dumps_done - start),
             merge_us = us(dumps_done.elapsed()),
             "scan"
@@ -355,84 +376,91 @@ impl Scanner {
         if connreap_ebpf::SK_STORAGE {
             self.kernel.log_sk_pass();
         }
+        // Kept until the next sweep: a scan that walks everything tells nothing new of them.
+        if let Some((_, per_netns)) = swept {
+            self.swept = per_netns;
+        }
         Ok(table)
     }
 }
 
 /// The owner dump, and with it, when there are namespaces `between` their walks, their rows:
-/// the sockets processes hold outside connreap's namespace, read in the same pass over every
-/// process's files (each socket once; a socket shared by several descriptors comes once per
-/// descriptor), plus what each one's last walk carries (see `walk::carried`). With `look`, the
-/// same pass notes the holders of sockets of namespaces discovery did not find, and the
-/// sockets of those that vanished from it since the last scan become rows. Returns the dump
-/// and how many sockets it read in those namespaces (None: the plain owner dump, no namespace
-/// between walks, no look).
+/// every socket of theirs the state table tracks, held or not, read fresh by the sweep over the
+/// table (one pass over every namespace's tracked sockets), plus what each one's last walk
+/// carries (its TIME_WAIT and request sockets, and sockets the table had no room for: see
+/// `walk::carried_between`). With `look`, the holders of the sweep's sockets in namespaces
+/// discovery did not find are noted from the owner dump, and every socket of a namespace that
+/// vanished from discovery since the last scan but is still held becomes a row. Returns the
+/// owner dump and the sweep (None: the plain owner dump, no namespace between walks, no look).
+/// A scan's sweep: its dump, and what it read of each namespace.
+type SweepResult = (kernel::Dump, FxHashMap<u32, Swept>);
+
 #[allow(clippy::too_many_arguments)]
 fn owners_and_between(
     kernel: &mut Kernel,
     walks: &Walks,
     between: &[Namespace],
+    mut parts: FxHashMap<u32, usize>,
     mut look: Option<&mut Look>,
     b: &mut TableBuilder<'_>,
     holders: &mut Holders,
     now_ns: u64,
     hz: u32,
-) -> Result<(kernel::Dump, Option<usize>), KernelError> {
-    if between.is_empty() && look.is_none() {
+) -> Result<(kernel::Dump, Option<SweepResult>), KernelError> {
+    if between.is_empty() && parts.is_empty() && look.is_none() {
         return Ok((kernel.for_each_owner(|o| holders.push(&o))?, None));
     }
-    let mut parts: FxHashMap<u32, usize> = between
-        .iter()
-        .map(|ns| {
-            let last = walks.last(ns.inode);
-            let ephemeral = last.and_then(|w| w.ephemeral.clone());
-            let keepalive = last.and_then(|w| w.keepalive);
-            (
-                ns.inode,
-                b.begin_namespace(netns_row(ns, keepalive), ephemeral),
-            )
-        })
-        .collect();
-    let mut held = FxHashSet::default();
-    let dump = kernel.for_each_owner_and_elsewhere(|o| match o {
-        Owned::Owner(o) => holders.push(&o),
-        Owned::Elsewhere(p) => {
-            holders.push(&p.owner);
-            // Namespaces walked by this scan are not added here; one not discovered only when
-            // the last scan had it.
-            let inode = p.owner.netns;
-            let part = match parts.get(&inode) {
-                Some(&part) => part,
-                None => {
-                    let kept = look
-                        .as_mut()
-                        .is_some_and(|l| l.see(inode, p.owner.tgid, p.owner.fd));
-                    if !kept {
-                        return;
-                    }
-                    // Its port range and keepalive as its last walk (while discovered) read them.
-                    let last = walks.last(inode);
-                    let part = b.begin_namespace(
-                        hidden_row(inode, last.and_then(|w| w.keepalive)),
-                        last.and_then(|w| w.ephemeral.clone()),
-                    );
-                    parts.insert(inode, part);
-                    part
-                }
-            };
-            if held.insert(p.sock.skaddr) {
-                b.push_in(part, &p.sock);
+    parts.extend(between.iter().map(|ns| {
+        let last = walks.last(ns.inode);
+        let ephemeral = last.and_then(|w| w.ephemeral.clone());
+        let keepalive = last.and_then(|w| w.keepalive);
+        (
+            ns.inode,
+            b.begin_namespace(netns_row(ns, keepalive), ephemeral),
+        )
+    }));
+    let mut swept = FxHashSet::default();
+    let mut per_netns: FxHashMap<u32, Swept> = FxHashMap::default();
+    // Sockets of namespaces this scan does not know, by address: for the look.
+    let mut unknown: FxHashMap<u64, SweepRecord> = FxHashMap::default();
+    let sweep = kernel.sweep(|r| {
+        per_netns.entry(r.netns).or_default().add(r);
+        if let Some(&part) = parts.get(&r.netns) {
+            swept.insert(r.sock.skaddr);
+            b.push_in(part, &r.sock);
+        } else if look.as_ref().is_some_and(|l| !l.knows(r.netns)) {
+            unknown.insert(r.sock.skaddr, *r);
+        }
+    })?;
+    let mut kept = FxHashSet::default();
+    let dump = kernel.for_each_owner(|o| {
+        holders.push(&o);
+        if let (Some(r), Some(l)) = (unknown.get(&o.skaddr), look.as_mut()) {
+            if l.see(r.netns, o.tgid, o.fd) {
+                kept.insert(r.netns);
             }
         }
     })?;
+    // A namespace that vanished from discovery but is still held: all its sockets, with its
+    // port range and keepalive as its last walk (while discovered) read them.
+    for r in unknown.values().filter(|r| kept.contains(&r.netns)) {
+        let part = *parts.entry(r.netns).or_insert_with(|| {
+            let last = walks.last(r.netns);
+            b.begin_namespace(
+                hidden_row(r.netns, last.and_then(|w| w.keepalive)),
+                last.and_then(|w| w.ephemeral.clone()),
+            )
+        });
+        b.push_in(part, &r.sock);
+    }
     for ns in between {
         if let (Some(last), Some(&part)) = (walks.last(ns.inode), parts.get(&ns.inode)) {
-            for r in walk::carried(last, |a| held.contains(&a), now_ns, hz) {
+            for r in walk::carried(last, |a| swept.contains(&a), now_ns, hz) {
                 b.push_in(part, &r);
             }
         }
     }
-    Ok((dump, Some(held.len())))
+    Ok((dump, Some((sweep, per_netns))))
 }
 
 /// Say once which namespaces this scan (`now`) knows only through a socket a process holds,

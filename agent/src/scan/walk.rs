@@ -5,17 +5,18 @@
 //! every namespace (unless `net.ipv4.tcp_child_ehash_entries` gave one its own), so each walk
 //! visits every socket of the host to skip the other namespaces': walking every namespace on
 //! every scan costs namespaces × all sockets. So the daemon walks its own namespace on every
-//! scan and each other namespace once per `every` scans (spread over the scans by inode); in
-//! between, that namespace's sockets held by a process are read by the owner dump, which then
-//! also reads the sockets of other namespaces than connreap's in its pass over all processes'
-//! files (`Kernel::for_each_owner_and_elsewhere`), and the ones no process holds (TIME_WAIT,
-//! SYN_RECV, orphaned, not yet accepted: inode 0) are carried from its last walk, aged.
-//! Reading them costs the owner dump about half again its time, more than a few walks: where
-//! walking the namespaces between their walks would cost less (measured times), the scan walks
-//! them all.
+//! scan and each other namespace once per `every` scans (spread over the scans by inode). In
+//! between, the sweep over the state table (`Kernel::sweep`: one pass over the sockets the
+//! tracker knows, every namespace's at once) reads that namespace's full sockets fresh, held or
+//! not; what only a walk sees is carried from its last walk, aged (`carried_between`): its
+//! TIME_WAIT and request (NEW_SYN_RECV) sockets, which are not full sockets and never in the
+//! table, and full sockets the table had no room for. A walk also gives the table a record of
+//! each full socket it lacks (one that predates the tracker), so the sweep sees it from then on.
 use std::{collections::HashMap, ops::RangeInclusive};
 
 use connreap_ebpf::{sock_flags, SockRecord};
+
+use crate::kernel::procfs::SockStat;
 
 /// What was kept of a namespace's last walk.
 #[derive(Debug, Clone, Default)]
@@ -26,7 +27,7 @@ pub struct Walked {
     pub keepalive: Option<crate::table::Keepalive>,
     /// When that walk's scan began (CLOCK_MONOTONIC ns).
     pub at_ns: u64,
-    /// Its sockets no process held then.
+    /// Its records the sweep cannot read (see [`carried_between`]).
     pub unheld: Vec<SockRecord>,
 }
 
@@ -38,18 +39,6 @@ pub struct Walks {
     /// Scans begun.
     pub scans: u64,
     walked: HashMap<u32, Walked>,
-    /// Smoothed kernel times, in ns: one walk of a namespace other than the own; the plain
-    /// owner dump; and what reading the other namespaces' sockets adds to the owner dump.
-    walk_ns: Option<f64>,
-    owner_ns: Option<f64>,
-    elsewhere_ns: Option<f64>,
-}
-
-/// Weight of a new measurement in the smoothed times.
-const ALPHA: f64 = 0.3;
-
-fn smooth(old: Option<f64>, new: f64) -> Option<f64> {
-    Some(old.map_or(new, |o| o + ALPHA * (new - o)))
 }
 
 impl Walks {
@@ -58,42 +47,6 @@ impl Walks {
             every: every.max(1),
             ..Walks::default()
         }
-    }
-
-    /// `n` walks of namespaces other than the own took `total` in the kernel.
-    pub fn observe_walks(&mut self, n: usize, total: std::time::Duration) {
-        if n > 0 {
-            self.walk_ns = smooth(self.walk_ns, total.as_nanos() as f64 / n as f64);
-        }
-    }
-
-    /// The plain owner dump took `d` in the kernel.
-    pub fn observe_owner(&mut self, d: std::time::Duration) {
-        self.owner_ns = smooth(self.owner_ns, d.as_nanos() as f64);
-    }
-
-    /// The owner dump that also read the other namespaces' sockets took `d` in the kernel.
-    /// What reading them added is `d` less the plain dump's time (known from the first scan,
-    /// which walks every namespace it finds).
-    pub fn observe_owner_and_elsewhere(&mut self, d: std::time::Duration) {
-        let added = d.as_nanos() as f64 - self.owner_ns.unwrap_or(0.0);
-        self.elsewhere_ns = smooth(self.elsewhere_ns, added.max(0.0));
-    }
-
-    /// Whether walking all `between` namespaces costs no more than reading their sockets in
-    /// the owner dump would add to it: each walk passes over every socket of the host, but
-    /// skipping another namespace's socket is several times cheaper than reading a process's
-    /// socket file (measure 7 of `cargo xtask bench`), so with a few namespaces walking them is
-    /// cheaper. From the times measured so far; before the owner dump read them once, half the
-    /// plain dump's time stands in for what reading them adds.
-    pub fn walk_all_cheaper(&self, between: usize) -> bool {
-        let Some(walk) = self.walk_ns else {
-            return false;
-        };
-        let Some(added) = self.elsewhere_ns.or(self.owner_ns.map(|o| o * 0.5)) else {
-            return false;
-        };
-        between as f64 * walk <= added
     }
 
     /// Whether this scan walks namespace `inode` (not the own: that one is always walked).
@@ -136,10 +89,39 @@ impl Walks {
     }
 }
 
-/// Whether a walk's record is one only a walk sees: no process holds the socket (no file, so
-/// no inode: timewait and request sockets, orphans, connections not yet accepted).
-pub fn unheld(r: &SockRecord) -> bool {
-    r.inode == 0
+/// Whether a walk's record is one the scans until the next walk carry: one the sweep cannot
+/// read, a timewait or request socket (not a full socket) or a full socket the state table had
+/// no room for.
+pub fn carried_between(r: &SockRecord) -> bool {
+    r.flags & sock_flags::FULL == 0 || r.flags & sock_flags::UNTRACKED != 0
+}
+
+/// What one sweep read of a namespace: its tracked sockets and its listeners' request sockets.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Swept {
+    pub sockets: u64,
+    pub requests: u64,
+}
+
+impl Swept {
+    pub fn add(&mut self, r: &connreap_ebpf::SweepRecord) {
+        self.sockets += 1;
+        self.requests += u64::from(r.requests);
+    }
+}
+
+/// Whether a namespace's due walk would read anything the sweep does not, judged from what
+/// the kernel counts in it (`stat`, no socket visited) against what the last sweep read of it:
+/// timewait sockets, request sockets, or more hashed full sockets than the sweep read (some
+/// have no record in the table: they predate the tracker, or their set was full, or they are
+/// newer than the sweep). Unknown counts: walk.
+pub fn worth_walking(stat: Option<SockStat>, swept: Option<&Swept>) -> bool {
+    match (stat, swept) {
+        (Some(stat), Some(swept)) => {
+            stat.tw > 0 || swept.requests > 0 || stat.inuse > swept.sockets
+        }
+        _ => true,
+    }
 }
 
 /// A record read `elapsed_jiffies` ago as it would read now, as far as it can be known: its
@@ -164,19 +146,19 @@ pub fn jiffies(ns: u64, hz: u32) -> u64 {
     (u128::from(ns) * u128::from(hz) / 1_000_000_000) as u64
 }
 
-/// The rows a namespace's last walk carries to a scan between walks: the sockets no process
-/// held then, aged by the time since, except those `held_now` (a connection accepted since,
-/// whose fresh record the scan has).
+/// The rows a namespace's last walk carries to a scan between walks: its records the sweep
+/// cannot read, aged by the time since, except those `swept_now` (a socket the table has a
+/// record of since, whose fresh record the scan has).
 pub fn carried<'a>(
     last: &'a Walked,
-    held_now: impl Fn(u64) -> bool + 'a,
+    swept_now: impl Fn(u64) -> bool + 'a,
     now_ns: u64,
     hz: u32,
 ) -> impl Iterator<Item = SockRecord> + 'a {
     let elapsed = jiffies(now_ns.saturating_sub(last.at_ns), hz);
     last.unheld
         .iter()
-        .filter(move |r| !held_now(r.skaddr))
+        .filter(move |r| !swept_now(r.skaddr))
         .map(move |r| aged(r, elapsed))
 }
 
@@ -273,12 +255,60 @@ mod tests {
     }
 
     #[test]
+    fn a_due_walk_is_skipped_only_when_the_sweep_read_everything() {
+        let stat = |inuse, tw| Some(SockStat { inuse, tw });
+        let swept = |sockets, requests| Swept { sockets, requests };
+        assert!(!worth_walking(stat(1001, 0), Some(&swept(1001, 0))));
+        // The sweep read more than were hashed then (a socket since closed): nothing missed.
+        assert!(!worth_walking(stat(990, 0), Some(&swept(1001, 0))));
+        assert!(
+            worth_walking(stat(1001, 3), Some(&swept(1001, 0))),
+            "timewait"
+        );
+        assert!(
+            worth_walking(stat(1001, 0), Some(&swept(1001, 2))),
+            "requests"
+        );
+        assert!(
+            worth_walking(stat(1002, 0), Some(&swept(1001, 0))),
+            "untracked"
+        );
+        assert!(worth_walking(None, Some(&swept(1, 0))), "no sockstat");
+        assert!(worth_walking(stat(0, 0), None), "never swept");
+    }
+
+    #[test]
+    fn only_what_the_sweep_cannot_read_is_carried() {
+        // Timewait and request sockets: not full sockets.
+        assert!(carried_between(&rec(1, 0, sock_flags::TW_ENTRY)));
+        assert!(carried_between(&rec(1, 0, 0)));
+        // Full sockets the table tracks, held or not (orphans, not yet accepted): swept.
+        assert!(!carried_between(&rec(1, 0, sock_flags::FULL)));
+        assert!(!carried_between(&rec(
+            1,
+            9,
+            sock_flags::FULL | sock_flags::SINCE_KNOWN
+        )));
+        // A full socket its set had no room for, held or not.
+        assert!(carried_between(&rec(
+            1,
+            9,
+            sock_flags::FULL | sock_flags::UNTRACKED
+        )));
+        assert!(carried_between(&rec(
+            1,
+            0,
+            sock_flags::FULL | sock_flags::UNTRACKED
+        )));
+    }
+
+    #[test]
     fn carried_rows_are_the_unheld_not_held_now_aged() {
         let last = Walked {
             at_ns: 1_000_000_000,
-            // 3 was not yet accepted at the walk and is held now; 4 is a TIME_WAIT.
+            // 3 was untracked at the walk and is swept now; 4 is a TIME_WAIT.
             unheld: vec![
-                rec(3, 0, sock_flags::FULL),
+                rec(3, 0, sock_flags::FULL | sock_flags::UNTRACKED),
                 rec(4, 0, sock_flags::SINCE_KNOWN),
             ],
             ..Walked::default()
@@ -288,34 +318,6 @@ mod tests {
         assert_eq!(rows[0].skaddr, 4);
         // 2 s at HZ=100: 200 jiffies older.
         assert_eq!(rows[0].state_age_jiffies, 300);
-    }
-
-    #[test]
-    fn all_between_namespaces_are_walked_when_that_is_cheaper_than_the_pass() {
-        let ms = Duration::from_millis;
-        let mut w = Walks::new(12);
-        // Nothing measured yet: no walk-time estimate, use the pass.
-        assert!(!w.walk_all_cheaper(1));
-        w.observe_walks(2, ms(20));
-        // Reading the namespaces in the owner dump is not measured yet either: half the plain
-        // dump's time stands in.
-        w.observe_owner(ms(180));
-        assert!(
-            w.walk_all_cheaper(1),
-            "one walk of 10 ms vs ~90 ms more for the owner dump"
-        );
-        assert!(w.walk_all_cheaper(9));
-        assert!(!w.walk_all_cheaper(10));
-        // It added 40 ms (220 against 180).
-        w.observe_owner_and_elsewhere(ms(220));
-        assert!(w.walk_all_cheaper(4) && !w.walk_all_cheaper(5));
-        // A dump quicker than the plain one's smoothed time added nothing, not less: 40 ms
-        // smoothed towards 0 is 28 ms.
-        w.observe_owner_and_elsewhere(ms(100));
-        assert!(w.walk_all_cheaper(2) && !w.walk_all_cheaper(3));
-        // Smoothed, not replaced: one slow walk does not flip the choice at once.
-        w.observe_walks(1, ms(60));
-        assert!(w.walk_all_cheaper(1));
     }
 
     #[test]

@@ -42,6 +42,21 @@ use anyhow::{bail, Context as _, Result};
 pub use load::{worker, WorkerArgs};
 use report::{Row, Verdict};
 
+/// `--spread`'s NAMESPACESxCONNECTIONS.
+fn parse_spread(s: &str) -> Result<(usize, usize), String> {
+    let (n, c) = s
+        .split_once(['x', '×'])
+        .ok_or_else(|| format!("{s}: expected NAMESPACESxCONNECTIONS, like 300x500"))?;
+    let num = |v: &str| {
+        v.trim()
+            .parse::<usize>()
+            .ok()
+            .filter(|&v| v > 0)
+            .ok_or_else(|| format!("{s}: {v:?} is not a positive number"))
+    };
+    Ok((num(n)?, num(c)?))
+}
+
 #[derive(clap::Args)]
 pub struct BenchArgs {
     /// Quick check of the bench itself (~1k sockets, seconds per measure); writes
@@ -71,6 +86,10 @@ pub struct BenchArgs {
     /// Only these measures (1-7, comma-separated); writes target/bench-partial.md.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
+    /// Measure 7's size: NAMESPACES×CONNECTIONS (each connection is two sockets, held by one
+    /// process per namespace), default 100×500.
+    #[arg(long, value_name = "NxC", value_parser = parse_spread)]
+    spread: Option<(usize, usize)>,
     /// How long to wait for e2e tests and compiles to finish before measuring anyway (noted in
     /// the report).
     #[arg(long, default_value_t = 600)]
@@ -158,6 +177,8 @@ pub struct Ctx {
     pub tracker_perf_us: Option<f64>,
     /// The older connreap measure 3 also times (`--baseline`, `--baseline-commit`).
     pub baseline: Option<baseline::Baseline>,
+    /// Measure 7's namespaces and connections per namespace (`--spread`).
+    pub spread: Option<(usize, usize)>,
 }
 
 impl Ctx {
@@ -169,6 +190,7 @@ impl Ctx {
             perf: args.profile && profile::available(),
             dir,
             baseline,
+            spread: args.spread,
             ..Ctx::default()
         }
     }

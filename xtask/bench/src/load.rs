@@ -104,7 +104,7 @@ pub struct Holders {
 
 impl Holders {
     /// `per.len()` holders, holder i with `per[i]` connections (2 sockets each) to a listener
-    /// on 127.0.(i+1).1.
+    /// on 127.0.(i+1).1 (127.1.0.1 and on past the 255th).
     pub fn start(ns: &NsHandle, per: &[usize]) -> Result<Holders> {
         let exe = std::env::current_exe()?;
         let mut h = Holders {
@@ -115,7 +115,7 @@ impl Holders {
         for (i, n) in per.iter().enumerate() {
             let mut cmd = ns.command(&exe);
             cmd.args(["bench-worker", "holder", "--listen"])
-                .arg(format!("127.0.{}.1", i + 1))
+                .arg(format!("127.{}.{}.1", (i + 1) / 256, (i + 1) % 256))
                 .args(["--conns", &n.to_string()])
                 .stdin(Stdio::piped())
                 .stdout(Stdio::piped())

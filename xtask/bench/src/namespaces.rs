@@ -48,9 +48,10 @@ impl Size {
                 scans: 3,
             }
         } else {
+            let (spaces, conns) = ctx.spread.unwrap_or((100, 500));
             Size {
-                spaces: 100,
-                conns: 500,
+                spaces,
+                conns,
                 rounds: 3,
                 interval: 2.0,
                 scans: 10,
@@ -81,6 +82,17 @@ impl Population {
             p.spaces.push(ns);
         }
         Ok(p)
+    }
+
+    /// The same holders and sockets, all in one namespace.
+    fn start_in_one(size: &Size) -> Result<Population> {
+        let ns = NetNs::new("manyone")?;
+        let h = Holders::start(&ns.handle(), &vec![size.conns; size.spaces])?;
+        Ok(Population {
+            held: h.sockets,
+            holders: vec![h],
+            spaces: vec![ns],
+        })
     }
 
     fn names(&self) -> Vec<String> {
@@ -226,6 +238,7 @@ pub fn namespaces(ctx: &mut Ctx) -> Result<Vec<Row>> {
     )];
     rows.extend(daemon_rows(ctx, &size, &pop)?);
     drop(pop);
+    rows.push(one_namespace_row(ctx, &size)?);
     Ok(rows)
 }
 
@@ -473,4 +486,54 @@ fn daemon_rows(ctx: &Ctx, size: &Size, pop: &Population) -> Result<Vec<Row>> {
         }
     }
     Ok(rows)
+}
+
+/// Target of the daemon's CPU per scan with the sockets spread over many namespaces against
+/// the same sockets and holders in one (issue 31): the scan's cost should follow the sockets,
+/// not the namespaces.
+const SPREAD_VS_ONE: f64 = 1.2;
+
+/// The daemon's CPU per scan at the default walk period (60 s: in a window of 10 scans, each
+/// namespace's turn comes at most once), with the sockets in many namespaces and then, after
+/// those namespaces are gone, the same holders and sockets in one. Measured one after the
+/// other (the daemon watches every namespace, so the two cannot share the host), by a daemon
+/// that was started after each population was up (its first scan walks every namespace).
+fn one_namespace_row(ctx: &Ctx, size: &Size) -> Result<Row> {
+    let spread = {
+        let pop = Population::start(size)?;
+        let o = observe(ctx, size, "60s", None)?;
+        let held = pop.held;
+        drop(pop);
+        (cpu_figures(&o, size), held)
+    };
+    let one = {
+        let pop = Population::start_in_one(size)?;
+        let o = observe(ctx, size, "60s", None)?;
+        drop(pop);
+        cpu_figures(&o, size)
+    };
+    let ((spread_cpu, spread_figures), held) = spread;
+    let (one_cpu, one_figures) = one;
+    let ratio = spread_cpu.as_secs_f64() / one_cpu.as_secs_f64().max(1e-9);
+    Ok(Row {
+        id: "7",
+        name: format!(
+            "daemon CPU per scan @ {} namespaces × {} sockets vs 1 namespace × {held}",
+            size.spaces,
+            held / size.spaces.max(1)
+        ),
+        result: format!("{ratio:.3}×"),
+        figures: format!(
+            "{} vs {} CPU per scan (netns_walk_interval 60s)",
+            ms(spread_cpu),
+            ms(one_cpu)
+        ),
+        target: format!("≤ {SPREAD_VS_ONE}×"),
+        verdict: Verdict::of(ratio <= SPREAD_VS_ONE),
+        details: vec![
+            format!("Spread over {} namespaces: {spread_figures}.", size.spaces),
+            format!("In one namespace: {one_figures}."),
+        ],
+        diagnosis: vec![],
+    })
 }

@@ -1,0 +1,188 @@
+//! `connreap_sweep`: one pass over the state table that reads every tracked socket of every
+//! network namespace, fresh. The table's keys are socket addresses (state.rs); for each, the
+//! program reads what `iter/tcp` reports (queues, idle times, keepalive, owner inode, uid,
+//! cookie) and the socket's namespace, through checked reads (`bpf_probe_read_kernel`: a key is
+//! a plain number to the verifier). Its cost is proportional to the tracked sockets alone,
+//! where an `iter/tcp` dump sees one namespace and walks the host-wide TCP hash to do it.
+//!
+//! Never attached: userspace runs it with `BPF_PROG_TEST_RUN`, [`SWEEP_SETS`] sets of the
+//! table per run (`args[0]` = the first set), and copies the run's records (the return value
+//! counts them) out of `CONNREAP_SWEEP`, a memory-mapped array.
+//!
+//! A key can be stale: a socket freed without a transition to CLOSE (no such path is known,
+//! but the table cannot tell) leaves its address behind, and TCP sockets' slab memory is
+//! reused by other TCP sockets (`SLAB_TYPESAFE_BY_RCU`). A record is written only when the
+//! memory at the address is still a TCP socket of the record's family with a state the record
+//! could have; a record whose state differs from the table's (a transition under way, or a
+//! reused address) is written without a known age.
+use core::ffi::c_void;
+
+use aya_ebpf::{bindings::BPF_F_MMAPABLE, helpers::bpf_jiffies64, macros::map, maps::Array};
+use connreap_ebpf::{
+    sock_flags, tcp_state, SockRecord, StateEntry, SweepRecord, AF_INET, AF_INET6, IPPROTO_TCP,
+    STATE_SETS, STATE_WAYS, SWEEP_SETS,
+};
+
+use crate::{off, programs::read, state};
+
+/// One run's output: up to all ways of [`SWEEP_SETS`] sets.
+#[map(name = "CONNREAP_SWEEP")]
+static CONNREAP_SWEEP: Array<SweepRecord> =
+    Array::with_max_entries(SWEEP_SETS * STATE_WAYS as u32, BPF_F_MMAPABLE);
+
+/// Declared by hand, like the flush program: the daemon reads the return value (the number
+/// of records written), which aya-ebpf's `#[raw_tracepoint]` entry would discard.
+#[no_mangle]
+#[link_section = "raw_tp/connreap_sweep"]
+pub fn connreap_sweep(ctx: *mut c_void) -> i32 {
+    // SAFETY: a raw tracepoint's context is its u64 arguments; BPF_PROG_TEST_RUN passes 12.
+    let first = unsafe { *(ctx as *const u64) } as u32;
+    if off!(valid) != connreap_ebpf::KernelOffsets::MAGIC as u64 {
+        return -1;
+    }
+    // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
+    let now = unsafe { bpf_jiffies64() };
+    let mut n: u32 = 0;
+    for s in 0..SWEEP_SETS {
+        let idx = first.wrapping_add(s);
+        if idx >= STATE_SETS {
+            break;
+        }
+        let Some(set) = state::set(idx) else {
+            break;
+        };
+        for way in 0..STATE_WAYS {
+            let (sk, entry) = state::way(set, way);
+            if sk == 0 {
+                continue;
+            }
+            let Some(out) = CONNREAP_SWEEP.get_ptr_mut(n) else {
+                return n as i32;
+            };
+            // SAFETY: a valid map value of this run's output; one sweep runs at a time
+            // (userspace holds a lock around each).
+            if unsafe { sweep_one(sk, &entry, now, &mut *out) } {
+                n += 1;
+            }
+        }
+    }
+    n as i32
+}
+
+/// Bytes of `struct sock_common` read at once: every field of it the record needs lies in its
+/// first 104 bytes on the kernels connreap runs on (a field past this span is read alone).
+const SPAN: usize = 128;
+
+/// The socket's first [`SPAN`] bytes, read with one helper call instead of one per field.
+struct Common([u64; SPAN / 8]);
+
+impl Common {
+    /// The field of type T at `off`: from the span when it lies inside (the offsets are
+    /// constants to the verifier, so the other branch is dropped at load), else read alone.
+    #[inline(always)]
+    fn get<T: Copy + Default>(&self, sk: u64, off: u64) -> T {
+        if off as usize + core::mem::size_of::<T>() <= SPAN {
+            // SAFETY: inside the span (checked above); read_unaligned allows any offset.
+            unsafe {
+                core::ptr::read_unaligned(
+                    (self.0.as_ptr() as *const u8).add(off as usize) as *const T
+                )
+            }
+        } else {
+            read(sk + off)
+        }
+    }
+}
+
+/// Fill `out` from the socket at `sk`/// Fill `out` from the socket at `sk`, tracked as `entry`; false when the memory there is no
+/// longer a TCP socket the entry could describe.
+#[inline(never)]
+fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) -> bool {
+    let c = Common(read(sk));
+    let family: u16 = c.get(sk, off!(skc_family));
+    let state: u8 = c.get(sk, off!(skc_state));
+    let protocol: u16 = read(sk + off!(sk_protocol));
+    if family != entry.family
+        || protocol != IPPROTO_TCP
+        || state == 0
+        || state == tcp_state::CLOSE
+        || state == tcp_state::TIME_WAIT
+        || state > tcp_state::CLOSING
+    {
+        return false;
+    }
+    let (saddr, daddr) = if family == AF_INET {
+        let d: u32 = c.get(sk, off!(skc_daddr));
+        let s: u32 = c.get(sk, off!(skc_rcv_saddr));
+        ([s as u64, 0], [d as u64, 0])
+    } else if family == AF_INET6 {
+        (
+            c.get::<[u64; 2]>(sk, off!(skc_v6_rcv_saddr)),
+            c.get::<[u64; 2]>(sk, off!(skc_v6_daddr)),
+        )
+    } else {
+        return false;
+    };
+    let socket: u64 = read(sk + off!(sk_socket));
+    let inode = if socket != 0 {
+        read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino))
+    } else {
+        0
+    };
+    out.requests = 0;
+    let queues: (u32, u32) = if state == tcp_state::LISTEN {
+        out.requests = read(sk + off!(icsk_qlen));
+        (
+            read(sk + off!(sk_ack_backlog)),
+            read(sk + off!(sk_max_ack_backlog)),
+        )
+    } else {
+        let rcv_nxt: u32 = read(sk + off!(tcp_rcv_nxt));
+        let copied: u32 = read(sk + off!(tcp_copied_seq));
+        let write_seq: u32 = read(sk + off!(tcp_write_seq));
+        let snd_una: u32 = read(sk + off!(tcp_snd_una));
+        (
+            rcv_nxt.wrapping_sub(copied),
+            write_seq.wrapping_sub(snd_una),
+        )
+    };
+    let now32 = now as u32;
+    let sk_flags: u64 = c.get(sk, off!(sk_flags));
+    let mut flags = sock_flags::FULL;
+    if (sk_flags >> (off!(sock_keepopen_bit) & 63)) & 1 != 0 {
+        flags |= sock_flags::KEEPALIVE;
+    }
+    let mut age = 0;
+    if entry.state == state && entry.since_jiffies != 0 {
+        age = now.wrapping_sub(entry.since_jiffies);
+        flags |= sock_flags::SINCE_KNOWN;
+    }
+    let net: u64 = c.get(sk, off!(skc_net));
+    out.netns = if net != 0 {
+        read(net + off!(net_ns_inum))
+    } else {
+        0
+    };
+    out.sock = SockRecord {
+        skaddr: sk,
+        inode,
+        cookie: c.get(sk, off!(skc_cookie)),
+        state_age_jiffies: age,
+        saddr: crate::programs::bytes16(saddr),
+        daddr: crate::programs::bytes16(daddr),
+        family,
+        sport: c.get(sk, off!(skc_num)),
+        dport: u16::from_be(c.get(sk, off!(skc_dport))),
+        state,
+        flags,
+        uid: read(sk + off!(sk_uid)),
+        rx_queue: queues.0,
+        tx_queue: queues.1,
+        last_rcv_jiffies: now32.wrapping_sub(read(sk + off!(icsk_lrcvtime))),
+        last_snd_jiffies: now32.wrapping_sub(read(sk + off!(tcp_lsndtime))),
+        last_ack_jiffies: now32.wrapping_sub(read(sk + off!(tcp_rcv_tstamp))),
+        tw_entry_ms: 0,
+        _pad: 0,
+    };
+    true
+}

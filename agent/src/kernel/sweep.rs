@@ -1,0 +1,165 @@
+//! The sweep over the state table (agent-ebpf's `sweep.rs`): every tracked socket of every
+//! network namespace, fresh, in runs of `SWEEP_SETS` sets of the table. The program writes a
+//! run's records into `CONNREAP_SWEEP`, an array this process maps read-only, and returns how
+//! many it wrote.
+//!
+//! The output array is pinned with the tracker and shared by every connreap process that uses
+//! this pin directory (the program is pinned too, and a program's maps are fixed at load), so
+//! a sweep holds an exclusive `flock` on the pin directory for its duration: a `snapshot` run
+//! while the daemon sweeps waits for it (a sweep takes milliseconds per 100k sockets).
+use std::{
+    fs,
+    os::fd::{AsFd as _, AsRawFd as _},
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use aya::{
+    maps::MapData,
+    programs::{ProgramError, RawTracePoint},
+    RawTracePointRunOptions, TestRun as _,
+};
+use connreap_ebpf::{SweepRecord, STATE_SETS, STATE_WAYS, SWEEP_SETS};
+
+use super::Dump;
+
+/// Pin files of the program and its output array, in the pin directory.
+pub(super) const PROG_PIN: &str = "sweep";
+pub(super) const MAP_PIN: &str = "sweep_out";
+
+/// Records one run can write.
+const RUN_RECORDS: usize = SWEEP_SETS as usize * STATE_WAYS;
+
+#[derive(Debug, thiserror::Error)]
+pub enum SweepError {
+    #[error("cannot open the pinned sweep program")]
+    Program(#[source] ProgramError),
+    #[error("cannot open the pinned sweep output array")]
+    Map(#[source] aya::maps::MapError),
+    #[error("cannot map the sweep output array into memory")]
+    Mmap(#[source] std::io::Error),
+    #[error("cannot lock the pin directory {} for a sweep", .0)]
+    Lock(String, #[source] std::io::Error),
+    #[error("running the sweep over sets {first}..")]
+    Run {
+        first: u32,
+        #[source]
+        source: ProgramError,
+    },
+    #[error("the sweep program read nothing: the loader did not set the kernel offsets")]
+    NoOffsets,
+    #[error("the sweep program returned {0} records, more than one run can write ({RUN_RECORDS})")]
+    TooMany(i64),
+}
+
+/// The pinned sweep program, its output array mapped into this process, and the directory
+/// whose lock serialises sweeps.
+pub struct Sweeper {
+    prog: RawTracePoint,
+    /// Keeps the array's fd (and so the mapping's map) open.
+    _map: MapData,
+    out: *const SweepRecord,
+    len: usize,
+    dir: fs::File,
+    dir_name: String,
+}
+
+// SAFETY: `out` points into a shared read-only mapping owned by this value; nothing else
+// aliases it mutably in this process.
+unsafe impl Send for Sweeper {}
+
+impl Sweeper {
+    pub(super) fn open(pin_dir: &Path) -> Result<Self, SweepError> {
+        let prog = RawTracePoint::from_pin(pin_dir.join(PROG_PIN)).map_err(SweepError::Program)?;
+        let map = MapData::from_pin(pin_dir.join(MAP_PIN)).map_err(SweepError::Map)?;
+        let len = RUN_RECORDS * std::mem::size_of::<SweepRecord>();
+        // SAFETY: a shared read-only mapping of an mmapable array map's fd, at offset 0, no
+        // longer than the array (RUN_RECORDS values of exactly this size, 8-byte aligned).
+        let out = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ,
+                libc::MAP_SHARED,
+                map.fd().as_fd().as_raw_fd(),
+                0,
+            )
+        };
+        if out == libc::MAP_FAILED {
+            return Err(SweepError::Mmap(std::io::Error::last_os_error()));
+        }
+        let dir_name = pin_dir.display().to_string();
+        let dir = fs::File::open(pin_dir).map_err(|e| SweepError::Lock(dir_name.clone(), e))?;
+        Ok(Sweeper {
+            prog,
+            _map: map,
+            out: out as *const SweepRecord,
+            len,
+            dir,
+            dir_name,
+        })
+    }
+
+    /// Every tracked socket, one record at a time.
+    pub fn sweep(&mut self, mut f: impl FnMut(&SweepRecord)) -> Result<Dump, SweepError> {
+        let start = Instant::now();
+        let _lock =
+            DirLock::new(&self.dir).map_err(|e| SweepError::Lock(self.dir_name.clone(), e))?;
+        let mut dump = Dump::default();
+        let mut in_kernel = Duration::ZERO;
+        for first in (0..STATE_SETS).step_by(SWEEP_SETS as usize) {
+            let mut opts = RawTracePointRunOptions::new();
+            opts.args[0] = u64::from(first);
+            let t = Instant::now();
+            let run = self
+                .prog
+                .test_run(opts)
+                .map_err(|source| SweepError::Run { first, source })?;
+            in_kernel += t.elapsed();
+            let n = run.return_value as i32 as i64;
+            if n < 0 {
+                return Err(SweepError::NoOffsets);
+            }
+            if n as usize > RUN_RECORDS {
+                return Err(SweepError::TooMany(n));
+            }
+            // SAFETY: the mapping holds RUN_RECORDS records; the program wrote the first n in
+            // the run that just returned, and no other sweep runs while the lock is held.
+            let records = unsafe { std::slice::from_raw_parts(self.out, n as usize) };
+            for r in records {
+                f(r);
+            }
+            dump.records += n as usize;
+        }
+        dump.in_kernel = in_kernel;
+        dump.total = start.elapsed();
+        Ok(dump)
+    }
+}
+
+impl Drop for Sweeper {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `open`, unmapped once.
+        unsafe { libc::munmap(self.out as *mut libc::c_void, self.len) };
+    }
+}
+
+/// An exclusive flock on a directory, released on drop.
+struct DirLock<'a>(&'a fs::File);
+
+impl<'a> DirLock<'a> {
+    fn new(dir: &'a fs::File) -> std::io::Result<Self> {
+        // SAFETY: flock on an fd we own.
+        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX) } != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(DirLock(dir))
+    }
+}
+
+impl Drop for DirLock<'_> {
+    fn drop(&mut self) {
+        // SAFETY: unlock the flock taken in `new`.
+        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
