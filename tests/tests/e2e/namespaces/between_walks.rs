@@ -1,13 +1,17 @@
-//! Between two walks of a namespace (`agent.netns_walk_interval`), the daemon reads the
-//! sockets processes hold there from its pass over every process's files, and carries the
-//! ones no process holds from the last walk. Here the walk interval is 1h: after the first
-//! scan walked the pod's namespace, no scan walks it again, yet a leak made afterwards is
-//! seen and alerted on (held sockets, read fresh), the clients' orphaned FIN-WAIT-2 sockets
-//! of the leak made before stay in the table with ages that keep growing (carried).
+//! Between two walks of a namespace (`agent.netns_walk_interval`), the daemon reads its full
+//! sockets, held or not, from the sweep over the state tracker's table, and carries what only
+//! a walk sees (timewait sockets) from the last walk. Here the walk interval is 1h: after the
+//! first scan walked the pod's namespace, no scan walks it again, yet a leak made afterwards is
+//! seen and alerted on (read fresh), connections waiting in an accept queue show (no process
+//! holds them), and the clients' orphaned FIN-WAIT-2 sockets of the leak made before (timewait
+//! sockets) stay in the table with ages that keep growing (carried).
 
 use std::time::Duration;
 
-use connreap_tests::harness::{require_privileges, wait_until, Agent, TempDir, POLL};
+use connreap_tests::{
+    fixtures::{http::connect, netns::maybe_in_netns},
+    harness::{require_privileges, wait_until, Agent, TempDir, POLL},
+};
 use serde_json::Value;
 
 use super::{host_config, host_receiver, wait_close_wait_alert, Pod, LEAKED, PORT};
@@ -75,7 +79,7 @@ fn sockets_between_walks_are_read_fresh_or_carried() {
     };
     let first = age(&orphans);
 
-    // A leak made after the walk: only the pass over processes' files can see it.
+    // A leak made after the walk: only the sweep can see it.
     pod.leak(LEAKED);
     let held = wait_until(Duration::from_secs(20), POLL, || {
         let r = rows(&agent, &pod, "CLOSE_WAIT");
@@ -123,4 +127,82 @@ fn sockets_between_walks_are_read_fresh_or_carried() {
         "carried FIN-WAIT-2 ages must advance between scans: {first} then {}",
         age(&later)
     );
+}
+
+/// Connections made after the namespace's only walk to a listener that never accepts them:
+/// their server ends are full sockets no process holds (no file until accepted), which only a
+/// walk could read before; the sweep over the state table reads them on every scan, fresh.
+#[test]
+fn unheld_sockets_made_after_the_walk_are_read_by_the_sweep() {
+    let Some(_env) = require_privileges() else {
+        return;
+    };
+    const BACKLOG_PORT: u16 = 8181;
+    const QUEUED: usize = 5;
+    let pod = Pod::bare("sweep");
+    let dir = TempDir::new("ns-sweep");
+    let hook = host_receiver();
+    let config = host_config(&dir, &hook).netns_walk_interval("1h");
+    let agent = Agent::start_in_host(&dir, &config);
+    agent.wait_scans(3);
+    assert_eq!(walked(&agent), 1.0, "{}", agent.ctx());
+
+    let addr: std::net::SocketAddr = format!("127.0.0.1:{BACKLOG_PORT}").parse().unwrap();
+    let listener = maybe_in_netns(Some(pod.name()), || std::net::TcpListener::bind(addr))
+        .unwrap_or_else(|e| panic!("listen in {}: {e}", pod.name()));
+    let clients: Vec<std::net::TcpStream> = (0..QUEUED)
+        .map(|_| {
+            connect(Some(pod.name()), addr, Duration::from_secs(5))
+                .unwrap_or_else(|e| panic!("connect in {}: {e}", pod.name()))
+        })
+        .collect();
+    // The server ends wait in the accept queue: ESTABLISHED, local port BACKLOG_PORT, no owner.
+    let queued = |agent: &Agent| -> Vec<Value> {
+        let (code, body) = agent.get(&format!(
+            "/v1/sockets?netns={}&state=ESTABLISHED",
+            pod.name()
+        ));
+        assert_eq!(code, 200, "GET /v1/sockets: {body}");
+        body["sockets"]
+            .as_array()
+            .cloned()
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|s| {
+                s["local"]
+                    .as_str()
+                    .is_some_and(|a| a.ends_with(&format!(":{BACKLOG_PORT}")))
+            })
+            .collect()
+    };
+    let rows = wait_until(Duration::from_secs(20), POLL, || {
+        let r = queued(&agent);
+        (r.len() == QUEUED).then_some(r)
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "the {QUEUED} connections waiting in {}'s accept queue never all showed between walks: {:#?}\n{}",
+            pod.describe(),
+            queued(&agent),
+            agent.ctx()
+        )
+    });
+    assert!(
+        rows.iter().all(|s| s["pid"].is_null()),
+        "not yet accepted: no process holds them: {rows:#?}"
+    );
+    assert_eq!(walked(&agent), 1.0, "still no walk of the pod's namespace");
+    // Gone from the table the scan after they close (no carried copy outlives them).
+    drop(clients);
+    drop(listener);
+    wait_until(Duration::from_secs(20), POLL, || {
+        queued(&agent).is_empty().then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "closed connections still listed: {:#?}\n{}",
+            queued(&agent),
+            agent.ctx()
+        )
+    });
 }
