@@ -41,6 +41,7 @@ pub mod names {
     pub const EVENTS: &str = "CONNREAP_EVENTS";
     pub const COUNTERS: &str = "CONNREAP_COUNTERS";
     pub const OFFSETS: &str = "CONNREAP_OFFSETS";
+    pub const SET_BITS: &str = "CONNREAP_SET_BITS";
     pub const PROG_STATE: &str = "connreap_set_state";
     pub const PROG_ITER_TCP: &str = "connreap_iter_tcp";
     pub const PROG_ITER_FILES: &str = "connreap_iter_task_file";
@@ -100,11 +101,18 @@ pub mod counter {
     pub const COUNT: u32 = 2;
 }
 
-/// Capacity of the per-socket state table: [`STATE_SETS`] sets of [`STATE_WAYS`] ways.
+/// Capacity of the per-socket state table at its default size: [`STATE_SETS`] sets of
+/// [`STATE_WAYS`] ways.
 pub const STATE_MAP_ENTRIES: u32 = STATE_SETS * STATE_WAYS as u32;
-/// log2 of the number of sets of the per-socket state table.
+/// log2 of the number of sets of the per-socket state table, by default. The loader sets the
+/// table's size (`agent.max_tracked_sockets`) and writes its log2 into the programs'
+/// `CONNREAP_SET_BITS`, within [`MIN_SET_BITS`]..=[`MAX_SET_BITS`].
 pub const STATE_SET_BITS: u32 = 14;
 pub const STATE_SETS: u32 = 1 << STATE_SET_BITS;
+/// The smallest table: 1024 sets, 16384 sockets.
+pub const MIN_SET_BITS: u32 = 10;
+/// The largest table: 262144 sets, 4194304 sockets (235 MB of kernel memory).
+pub const MAX_SET_BITS: u32 = 18;
 /// Ways per set: 16 keys on two cache lines. A socket whose set is full is not tracked
 /// (`counter::MAP_FULL`); at 100k sockets (≈ 6 per set on average) a uniform hash leaves few
 /// or none untracked (measure 3 of `cargo xtask bench` reports how many had an exact age).

@@ -1,7 +1,7 @@
 //! The per-socket state table `CONNREAP_STATE`: a bounded, set-associative hash table in an
 //! array map, written by the tracker and read by the iter/tcp dump.
 //!
-//! `STATE_SETS` sets of `STATE_WAYS` ways. A socket's set is a hash of its address; the way
+//! 2^`CONNREAP_SET_BITS` sets (the loader sizes the table) of `STATE_WAYS` ways. A socket's set is a hash of its address; the way
 //! that holds its record holds that address as its key (0 = free), and the keys of a set lie
 //! together, so finding a socket reads two cache lines and takes no lock. A free way is claimed
 //! with an atomic compare-and-swap (two sockets of one set may be created on two CPUs at once);
@@ -16,13 +16,35 @@
 //! pointer (the hash) and no pointer as an atomic operand, so callers pass the address as read
 //! back from map memory or through a probe read.
 use aya_ebpf::{macros::map, maps::Array};
-use connreap_ebpf::{StateEntry, StateSet, STATE_SETS, STATE_SET_BITS, STATE_WAYS};
+use connreap_ebpf::{
+    StateEntry, StateSet, MAX_SET_BITS, MIN_SET_BITS, STATE_SETS, STATE_SET_BITS, STATE_WAYS,
+};
 
 /// Per-socket state, the jiffy it was entered and the 4-tuple: the table this module keeps.
-/// Preallocated: a fixed `STATE_SETS × size_of::<StateSet>()` bytes of kernel memory (exported
-/// as `connreap_bpf_map_memory_bytes`) for up to `STATE_MAP_ENTRIES` sockets.
+/// Preallocated: a fixed `sets × size_of::<StateSet>()` bytes of kernel memory (exported as
+/// `connreap_bpf_map_memory_bytes`) for up to `sets × STATE_WAYS` sockets; `STATE_SETS` sets
+/// unless the loader sizes it otherwise.
 #[map(name = "CONNREAP_STATE")]
 static CONNREAP_STATE: Array<StateSet> = Array::pinned(STATE_SETS, 0);
+
+/// log2 of the table's sets, written by the loader with the table's size (a constant to the
+/// verifier, like the kernel offsets).
+#[no_mangle]
+static CONNREAP_SET_BITS: u32 = STATE_SET_BITS;
+
+/// log2 of the table's sets, within the bounds the loader keeps to.
+#[inline(always)]
+fn set_bits() -> u32 {
+    // SAFETY: a plain read of a static; volatile so the loader's value is used.
+    let bits = unsafe { core::ptr::read_volatile(&CONNREAP_SET_BITS) };
+    bits.clamp(MIN_SET_BITS, MAX_SET_BITS)
+}
+
+/// The number of sets of the table.
+#[inline(always)]
+pub(crate) fn sets() -> u32 {
+    1 << set_bits()
+}
 
 const GOLDEN: u64 = 0x9E37_79B9_7F4A_7C15;
 
@@ -34,7 +56,7 @@ fn set_of(sk: u64) -> Option<*mut StateSet> {
         return None;
     }
     // Socket addresses are slab objects: the low 6 bits carry nothing.
-    let idx = ((sk >> 6).wrapping_mul(GOLDEN) >> (64 - STATE_SET_BITS)) as u32;
+    let idx = ((sk >> 6).wrapping_mul(GOLDEN) >> (64 - set_bits())) as u32;
     CONNREAP_STATE.get_ptr_mut(idx)
 }
 

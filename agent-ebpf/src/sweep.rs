@@ -20,7 +20,7 @@ use core::ffi::c_void;
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, helpers::bpf_jiffies64, macros::map, maps::Array};
 use connreap_ebpf::{
     sock_flags, tcp_state, SockRecord, StateEntry, SweepRecord, AF_INET, AF_INET6, IPPROTO_TCP,
-    STATE_SETS, STATE_WAYS, SWEEP_SETS,
+    STATE_WAYS, SWEEP_SETS,
 };
 
 use crate::{off, programs::read, state};
@@ -45,7 +45,7 @@ pub fn connreap_sweep(ctx: *mut c_void) -> i32 {
     let mut n: u32 = 0;
     for s in 0..SWEEP_SETS {
         let idx = first.wrapping_add(s);
-        if idx >= STATE_SETS {
+        if idx >= state::sets() {
             break;
         }
         let Some(set) = state::set(idx) else {

@@ -66,7 +66,10 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     let metrics = Arc::new(Metrics::new());
     let host = host_name(&cfg);
     let token = api::read_token(&cfg)?;
-    let mut kernel = tokio::task::spawn_blocking(move || Kernel::load(verbose)).await??;
+    let max_tracked = u32::try_from(cfg.agent.max_tracked_sockets).unwrap_or(u32::MAX);
+    let mut kernel =
+        tokio::task::spawn_blocking(move || Kernel::load_sized(verbose, Some(max_tracked)))
+            .await??;
 
     // The transition ring: its reader counts active opens for the scan loop's storm detector
     // and the outcomes of outbound connections for its failing-upstream detector.

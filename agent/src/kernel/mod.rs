@@ -126,6 +126,8 @@ pub struct Kernel {
     verbose: bool,
     /// Ticks per second of the kernel's jiffies clock (CONFIG_HZ).
     pub hz: u32,
+    /// log2 of the state table's sets (its size, see [`set_bits_for`]).
+    set_bits: u32,
 }
 
 /// The object's maps this process uses, by name: taken from the loaded object on a first load,
@@ -194,8 +196,16 @@ pub fn mount_bpffs() -> Result<bool, KernelError> {
 }
 
 impl Kernel {
-    /// Load the object, (re)use the pinned state tracker and load the iterators.
+    /// Load the object, (re)use the pinned state tracker and load the iterators; the state
+    /// table keeps the size it was pinned with (the default size when nothing is pinned).
     pub fn load(verbose: bool) -> Result<Self, KernelError> {
+        Self::load_sized(verbose, None)
+    }
+
+    /// [`Kernel::load`] with a state table for `max_sockets` sockets (see [`set_bits_for`]):
+    /// a table pinned with another size is replaced, which restarts the tracker (the ages of
+    /// the sockets open now become lower bounds).
+    pub fn load_sized(verbose: bool, max_sockets: Option<u32>) -> Result<Self, KernelError> {
         // SAFETY: geteuid has no preconditions.
         if unsafe { libc::geteuid() } != 0 {
             return Err(KernelError::NotRoot);
@@ -214,14 +224,29 @@ impl Kernel {
         let _lock = load_lock();
         let pin_dir = prepare_pin_dir()?;
         let before = existing_pins(&pin_dir);
-        Self::load_in(pin_dir.clone(), verbose).inspect_err(|_| {
+        Self::load_in(pin_dir.clone(), verbose, max_sockets.map(set_bits_for)).inspect_err(|_| {
             // Whatever failed, the pins this load made go (none are left by a refused program).
             clean_failed_load(&pin_dir, &before);
         })
     }
 
     /// [`Kernel::load`] once the pin directory is ready (under the load lock).
-    fn load_in(pin_dir: PathBuf, verbose: bool) -> Result<Self, KernelError> {
+    fn load_in(pin_dir: PathBuf, verbose: bool, wanted: Option<u32>) -> Result<Self, KernelError> {
+        let pinned_bits = pinned_set_bits(&pin_dir);
+        if let (Some(pinned), Some(wanted)) = (pinned_bits, wanted) {
+            if pinned != wanted {
+                tracing::warn!(
+                    pinned = 16u64 << pinned,
+                    wanted = 16u64 << wanted,
+                    "state table resized (agent.max_tracked_sockets): the tracker restarts, so the ages of the sockets open now become lower bounds"
+                );
+                pins::reset_dir(&pin_dir);
+            }
+        }
+        let set_bits = match (pinned_bits, wanted) {
+            (Some(p), Some(w)) if p != w => w,
+            (p, w) => p.or(w).unwrap_or(connreap_ebpf::STATE_SET_BITS),
+        };
         let tcp_pin = pin_dir.join("iter_tcp");
         let files_pin = pin_dir.join("iter_task_file");
         let flush_pin = pin_dir.join("flush");
@@ -246,7 +271,7 @@ impl Kernel {
         };
         let maps = match pinned {
             Some(maps) => maps,
-            None => Self::load_object(&pin_dir, verbose)?,
+            None => Self::load_object(&pin_dir, verbose, set_bits)?,
         };
         let from_pin = |path: &Path, prog: &'static str| {
             Iter::from_pin(path).map_err(|e| program_error(verbose, prog, e))
@@ -256,22 +281,29 @@ impl Kernel {
             iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
             iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
             iter_netns_socks: from_pin(&netns_pin, names::PROG_ITER_NETNS_SOCKS)?,
-            sweeper: sweep::Sweeper::open(&pin_dir)?,
+            sweeper: sweep::Sweeper::open(&pin_dir, 1 << set_bits)?,
             ebpf: maps,
             tracker: tracker::Watch::new(&memory),
             memory,
             pin_dir,
             verbose,
             hz: hz::kernel_hz(),
+            set_bits,
         })
     }
 
     /// Load the object with offsets from the kernel's BTF, attach and pin the state tracker
     /// (unless alive), load and pin both iterators; keep the maps userspace reads.
-    pub(crate) fn load_object(pin_dir: &Path, verbose: bool) -> Result<Maps, KernelError> {
+    pub(crate) fn load_object(
+        pin_dir: &Path,
+        verbose: bool,
+        set_bits: u32,
+    ) -> Result<Maps, KernelError> {
         let offsets = offsets::resolve(Path::new(BTF_PATH))?;
         let mut loader = EbpfLoader::new();
         loader.override_global(names::OFFSETS, &offsets, true);
+        loader.override_global(names::SET_BITS, &set_bits, true);
+        loader.map_max_entries(names::STATE_MAP, 1 << set_bits);
         let ebpf = with_pinned_maps(&mut loader, pin_dir)
             .load(OBJECT)
             .map_err(KernelError::Object)?;
@@ -315,6 +347,24 @@ impl Kernel {
         }
         Ok(Maps::from_object(&mut loaded.ebpf))
     }
+}
+
+/// log2 of the state table's sets for up to `max_sockets` tracked sockets: the smallest table
+/// that holds them (sets of [`connreap_ebpf::STATE_WAYS`] ways), within
+/// [`connreap_ebpf::MIN_SET_BITS`]..=[`connreap_ebpf::MAX_SET_BITS`].
+pub fn set_bits_for(max_sockets: u32) -> u32 {
+    let sets = max_sockets
+        .div_ceil(connreap_ebpf::STATE_WAYS as u32)
+        .max(1);
+    let bits = u32::BITS - (sets - 1).leading_zeros();
+    bits.clamp(connreap_ebpf::MIN_SET_BITS, connreap_ebpf::MAX_SET_BITS)
+}
+
+/// log2 of the sets of the state table pinned in `pin_dir`, if one is.
+fn pinned_set_bits(pin_dir: &Path) -> Option<u32> {
+    let map = MapData::from_pin(pin_dir.join("state")).ok()?;
+    let entries = map.info().ok()?.max_entries();
+    entries.is_power_of_two().then(|| entries.trailing_zeros())
 }
 
 /// The maps every load of the object shares with the pinned tracker (name, pin file).
@@ -599,4 +649,22 @@ impl Kernel {
 /// A program's runs the kernel skipped as nested (its fdinfo; aya's ProgramInfo lacks it).
 fn recursion_misses(fd: &aya::programs::ProgramFd) -> Option<u64> {
     memory::fdinfo_u64(fd.as_fd(), "recursion_misses")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::set_bits_for;
+
+    #[test]
+    fn the_table_is_the_smallest_power_of_two_that_holds_the_sockets() {
+        // The default: 262144 sockets = 16384 sets of 16.
+        assert_eq!(set_bits_for(262_144), 14);
+        assert_eq!(set_bits_for(262_145), 15);
+        assert_eq!(set_bits_for(1_000_000), 16);
+        assert_eq!(set_bits_for(1 << 20), 16);
+        // Bounded: at least 1024 sets, at most 262144.
+        assert_eq!(set_bits_for(0), 10);
+        assert_eq!(set_bits_for(16_384), 10);
+        assert_eq!(set_bits_for(u32::MAX), 18);
+    }
 }

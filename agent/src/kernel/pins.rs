@@ -185,6 +185,12 @@ pub(super) fn prepare_pin_dir() -> Result<PathBuf, KernelError> {
     Ok(dir)
 }
 
+/// Remove connreap's pins in its directory `dir` (a load then starts afresh there).
+pub(super) fn reset_dir(dir: &Path) {
+    remove_own_pins(dir);
+    let _ = fs::create_dir_all(dir);
+}
+
 /// connreap's object-hash directories under `root`.
 fn own_dirs(root: &Path) -> Vec<PathBuf> {
     let Ok(entries) = fs::read_dir(root) else {

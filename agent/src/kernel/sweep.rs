@@ -19,7 +19,7 @@ use aya::{
     programs::{ProgramError, RawTracePoint},
     RawTracePointRunOptions, TestRun as _,
 };
-use connreap_ebpf::{SweepRecord, STATE_SETS, STATE_WAYS, SWEEP_SETS};
+use connreap_ebpf::{SweepRecord, STATE_WAYS, SWEEP_SETS};
 
 use super::Dump;
 
@@ -62,6 +62,8 @@ pub struct Sweeper {
     len: usize,
     dir: fs::File,
     dir_name: String,
+    /// Sets of the state table.
+    sets: u32,
 }
 
 // SAFETY: `out` points into a shared read-only mapping owned by this value; nothing else
@@ -69,7 +71,7 @@ pub struct Sweeper {
 unsafe impl Send for Sweeper {}
 
 impl Sweeper {
-    pub(super) fn open(pin_dir: &Path) -> Result<Self, SweepError> {
+    pub(super) fn open(pin_dir: &Path, sets: u32) -> Result<Self, SweepError> {
         let prog = RawTracePoint::from_pin(pin_dir.join(PROG_PIN)).map_err(SweepError::Program)?;
         let map = MapData::from_pin(pin_dir.join(MAP_PIN)).map_err(SweepError::Map)?;
         let len = RUN_RECORDS * std::mem::size_of::<SweepRecord>();
@@ -97,6 +99,7 @@ impl Sweeper {
             len,
             dir,
             dir_name,
+            sets,
         })
     }
 
@@ -107,7 +110,7 @@ impl Sweeper {
             DirLock::new(&self.dir).map_err(|e| SweepError::Lock(self.dir_name.clone(), e))?;
         let mut dump = Dump::default();
         let mut in_kernel = Duration::ZERO;
-        for first in (0..STATE_SETS).step_by(SWEEP_SETS as usize) {
+        for first in (0..self.sets).step_by(SWEEP_SETS as usize) {
             let mut opts = RawTracePointRunOptions::new();
             opts.args[0] = u64::from(first);
             let t = Instant::now();

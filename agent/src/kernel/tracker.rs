@@ -16,7 +16,7 @@ use aya::{
     maps::{Array, Map, MapData},
     programs::links::PinnedLink,
 };
-use connreap_ebpf::{StateSet, STATE_SETS};
+use connreap_ebpf::StateSet;
 
 use super::{host, memory::MapMemory, pins, Kernel, KernelError, SHARED_MAPS};
 
@@ -173,7 +173,7 @@ impl Kernel {
         .all(|p| dir.join(p).exists());
         if !complete {
             // Reuses the maps just pinned; attaches the tracker unless a link is alive.
-            Kernel::load_object(&dir, self.verbose)?;
+            Kernel::load_object(&dir, self.verbose, self.set_bits)?;
         }
         Ok(())
     }
@@ -191,7 +191,7 @@ impl Kernel {
         let mut table: Array<MapData, StateSet> =
             Array::try_from(Map::Array(map)).map_err(ReattachError::Clear)?;
         let empty = StateSet::default();
-        for set in 0..STATE_SETS {
+        for set in 0..1u32 << self.set_bits {
             table.set(set, empty, 0).map_err(ReattachError::Clear)?;
         }
         Ok(())

@@ -21,6 +21,7 @@ mod churn;
 mod latency;
 mod load;
 mod memory_cpu;
+mod million;
 mod namespaces;
 mod probe;
 mod probe_parts;
@@ -83,7 +84,7 @@ pub struct BenchArgs {
     /// each still measured against the shipped program.
     #[arg(long, value_delimiter = ',', requires = "probe_parts")]
     variants: Vec<String>,
-    /// Only these measures (1-7, comma-separated); writes target/bench-partial.md.
+    /// Only these measures (1-8, comma-separated); writes target/bench-partial.md.
     #[arg(long, value_delimiter = ',')]
     only: Vec<u8>,
     /// Measure 7's size: NAMESPACES×CONNECTIONS (each connection is two sockets, held by one
@@ -205,7 +206,7 @@ type Measure = fn(&mut Ctx) -> Result<Vec<Row>>;
 
 /// In run order. Measure 1 turns bpf_stats on for its window only (2 needs it off); later
 /// measures reuse its per-run costs in their diagnosis.
-const MEASURES: [(&str, &[u8], &str, Measure); 5] = [
+const MEASURES: [(&str, &[u8], &str, Measure); 6] = [
     ("1", &[1], "probe cost", probe::probe_cost),
     ("2", &[2], "churn overhead", churn::churn_overhead),
     ("5", &[5], "detection latency", latency::detection),
@@ -216,6 +217,7 @@ const MEASURES: [(&str, &[u8], &str, Measure); 5] = [
         snapshot::snapshot_at_scale,
     ),
     ("7", &[7], "many namespaces", namespaces::namespaces),
+    ("8", &[8], "a million tracked sockets", million::million),
 ];
 
 fn preflight() -> Result<()> {
