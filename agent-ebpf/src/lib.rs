@@ -404,7 +404,7 @@ pub struct SockRecord {
 
 /// Sets of the state table one run of the sweep program reads (`connreap_sweep`): its output
 /// array holds one record per way of these.
-pub const SWEEP_SETS: u32 = 32;
+pub const SWEEP_SETS: u32 = 4;
 
 /// One socket from the sweep over the state table: its record as iter/tcp would give it, and
 /// the inode of its network namespace.

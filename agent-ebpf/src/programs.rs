@@ -9,7 +9,7 @@ use core::ffi::c_void;
 
 use aya_ebpf::{
     helpers::{
-        bpf_jiffies64, bpf_probe_read_kernel,
+        bpf_jiffies64,
         generated::{self as gen, bpf_seq_write, bpf_sock_from_file},
     },
     macros::map,
@@ -112,10 +112,21 @@ fn offsets_unset(program: &str) {
     );
 }
 
+/// `T` at kernel address `addr`, zero when it cannot be read. Branch-free: the helper zeroes
+/// its destination when the read fails, so its result is not looked at (a branch per read
+/// would give the verifier two states per read to explore, and 6.1's gives up on the sweep).
 #[inline(always)]
 pub(crate) fn read<T: Default>(addr: u64) -> T {
-    // SAFETY: bpf_probe_read_kernel tolerates any address and fails cleanly.
-    unsafe { bpf_probe_read_kernel(addr as *const T) }.unwrap_or_default()
+    let mut v = T::default();
+    // SAFETY: bpf_probe_read_kernel tolerates any address and fails cleanly, zeroing `v`.
+    unsafe {
+        gen::bpf_probe_read_kernel(
+            &mut v as *mut T as *mut c_void,
+            core::mem::size_of::<T>() as u32,
+            addr as *const c_void,
+        )
+    };
+    v
 }
 
 /// A field of the socket the tracepoint passes, loaded directly: `sk` is a trusted BTF pointer

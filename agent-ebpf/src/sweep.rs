@@ -6,8 +6,9 @@
 //! where an `iter/tcp` dump sees one namespace and walks the host-wide TCP hash to do it.
 //!
 //! Never attached: userspace runs it with `BPF_PROG_TEST_RUN`, [`SWEEP_SETS`] sets of the
-//! table per run (`args[0]` = the first set), and copies the run's records (the return value
-//! counts them) out of `CONNREAP_SWEEP`, a memory-mapped array.
+//! table per run (`args[0]` = the first set; the return value counts the sets read), and reads
+//! the run's records out of `CONNREAP_SWEEP`, a memory-mapped array with a slot per way (an
+//! empty slot has skaddr 0).
 //!
 //! A key can be stale: a socket freed without a transition to CLOSE (no such path is known,
 //! but the table cannot tell) leaves its address behind, and TCP sockets' slab memory is
@@ -42,7 +43,11 @@ pub fn connreap_sweep(ctx: *mut c_void) -> i32 {
     }
     // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
     let now = unsafe { bpf_jiffies64() };
-    let mut n: u32 = 0;
+    // Each way has its own output slot, marked empty (skaddr 0) unless a record is written:
+    // nothing in the program's state depends on which ways held a socket, so the verifier's
+    // states after each way are alike (a running count of records would make them differ, and
+    // older verifiers give up on the loop: E2BIG on 6.1).
+    let mut sets = 0;
     for s in 0..SWEEP_SETS {
         let idx = first.wrapping_add(s);
         if idx >= state::sets() {
@@ -52,21 +57,21 @@ pub fn connreap_sweep(ctx: *mut c_void) -> i32 {
             break;
         };
         for way in 0..STATE_WAYS {
-            let (sk, entry) = state::way(set, way);
-            if sk == 0 {
+            let Some(out) = CONNREAP_SWEEP.get_ptr_mut(s * STATE_WAYS as u32 + way as u32) else {
                 continue;
-            }
-            let Some(out) = CONNREAP_SWEEP.get_ptr_mut(n) else {
-                return n as i32;
             };
             // SAFETY: a valid map value of this run's output; one sweep runs at a time
             // (userspace holds a lock around each).
-            if unsafe { sweep_one(sk, &entry, now, &mut *out) } {
-                n += 1;
+            let out = unsafe { &mut *out };
+            out.sock.skaddr = 0;
+            let (sk, entry) = state::way(set, way);
+            if sk != 0 {
+                sweep_one(sk, &entry, now, out);
             }
         }
+        sets += 1;
     }
-    n as i32
+    sets
 }
 
 /// Bytes of `struct sock_common` read at once: every field of it the record needs lies in its
@@ -94,10 +99,10 @@ impl Common {
     }
 }
 
-/// Fill `out` from the socket at `sk`/// Fill `out` from the socket at `sk`, tracked as `entry`; false when the memory there is no
-/// longer a TCP socket the entry could describe.
+/// Fill `out` from the socket at `sk`/// Fill `out` from the socket at `sk`, tracked as `entry`; left empty (skaddr 0) when the
+/// memory there is no longer a TCP socket the entry could describe.
 #[inline(never)]
-fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) -> bool {
+fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) {
     let c = Common(read(sk));
     let family: u16 = c.get(sk, off!(skc_family));
     let state: u8 = c.get(sk, off!(skc_state));
@@ -109,7 +114,7 @@ fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) -> bo
         || state == tcp_state::TIME_WAIT
         || state > tcp_state::CLOSING
     {
-        return false;
+        return;
     }
     let (saddr, daddr) = if family == AF_INET {
         let d: u32 = c.get(sk, off!(skc_daddr));
@@ -121,7 +126,7 @@ fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) -> bo
             c.get::<[u64; 2]>(sk, off!(skc_v6_daddr)),
         )
     } else {
-        return false;
+        return;
     };
     let socket: u64 = read(sk + off!(sk_socket));
     let inode = if socket != 0 {
@@ -184,5 +189,4 @@ fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) -> bo
         tw_entry_ms: 0,
         _pad: 0,
     };
-    true
 }

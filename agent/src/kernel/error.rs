@@ -90,6 +90,8 @@ pub enum KernelError {
     MissingMap(&'static str),
     #[error("cannot find the pinned program whose log ring to read")]
     LogProgram(#[source] aya::programs::ProgramError),
+    #[error("this kernel does not run the sweep over the state table")]
+    NoSweep,
     #[error("sweeping the state table failed")]
     Sweep(#[from] super::sweep::SweepError),
     #[error("sk-storage pass: {0}")]

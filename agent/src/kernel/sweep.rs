@@ -1,7 +1,7 @@
 //! The sweep over the state table (agent-ebpf's `sweep.rs`): every tracked socket of every
 //! network namespace, fresh, in runs of `SWEEP_SETS` sets of the table. The program writes a
-//! run's records into `CONNREAP_SWEEP`, an array this process maps read-only, and returns how
-//! many it wrote.
+//! run's records into `CONNREAP_SWEEP`, an array this process maps read-only, a slot per way
+//! (empty: skaddr 0), and returns how many sets it read.
 //!
 //! The output array is pinned with the tracker and shared by every connreap process that uses
 //! this pin directory (the program is pinned too, and a program's maps are fixed at load), so
@@ -48,7 +48,7 @@ pub enum SweepError {
     },
     #[error("the sweep program read nothing: the loader did not set the kernel offsets")]
     NoOffsets,
-    #[error("the sweep program returned {0} records, more than one run can write ({RUN_RECORDS})")]
+    #[error("the sweep program says it read {0} sets, more than one run reads ({SWEEP_SETS})")]
     TooMany(i64),
 }
 
@@ -119,20 +119,22 @@ impl Sweeper {
                 .test_run(opts)
                 .map_err(|source| SweepError::Run { first, source })?;
             in_kernel += t.elapsed();
-            let n = run.return_value as i32 as i64;
-            if n < 0 {
+            let sets = run.return_value as i32 as i64;
+            if sets < 0 {
                 return Err(SweepError::NoOffsets);
             }
-            if n as usize > RUN_RECORDS {
-                return Err(SweepError::TooMany(n));
+            if sets > i64::from(SWEEP_SETS) {
+                return Err(SweepError::TooMany(sets));
             }
-            // SAFETY: the mapping holds RUN_RECORDS records; the program wrote the first n in
-            // the run that just returned, and no other sweep runs while the lock is held.
-            let records = unsafe { std::slice::from_raw_parts(self.out, n as usize) };
-            for r in records {
+            // SAFETY: the mapping holds RUN_RECORDS records; the program wrote a slot per way
+            // of the `sets` sets it read in the run that just returned, and no other sweep
+            // runs while the lock is held.
+            let records =
+                unsafe { std::slice::from_raw_parts(self.out, sets as usize * STATE_WAYS) };
+            for r in records.iter().filter(|r| r.sock.skaddr != 0) {
                 f(r);
+                dump.records += 1;
             }
-            dump.records += n as usize;
         }
         dump.in_kernel = in_kernel;
         dump.total = start.elapsed();

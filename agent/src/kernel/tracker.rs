@@ -167,7 +167,6 @@ impl Kernel {
             "iter_task_file",
             "iter_netns_socks",
             "flush",
-            "sweep",
         ]
         .iter()
         .all(|p| dir.join(p).exists());

@@ -172,12 +172,14 @@ impl Scanner {
             look = Some(Look::new(known, Look::vanished(&self.namespaces, &spaces)));
         }
         let discovered = start.elapsed();
+        // Without the sweep (a kernel that refuses it), every scan walks every namespace.
+        let sweeps = !parallel && self.walks.every > 1 && self.kernel.sweeps();
         // This scan walks its own namespace, the namespaces never walked or whose turn it is;
         // the others ("between walks") come from the one dump of held sockets below.
         let (to_walk, between): (Vec<Namespace>, Vec<Namespace>) = spaces
             .iter()
             .cloned()
-            .partition(|ns| ns.own || parallel || self.walks.due(ns.inode, forced));
+            .partition(|ns| ns.own || parallel || !sweeps || self.walks.due(ns.inode, forced));
         // What each walked namespace leaves for the scans between its walks (not the own:
         // walked on every scan, it needs nothing carried).
         let mut walked: Vec<(u32, Option<Walked>)> = Vec::new();
@@ -251,6 +253,7 @@ impl Scanner {
             let must_walk = |ns: &Namespace| {
                 let walk = ns.own
                     || forced.contains(&ns.inode)
+                    || !sweeps
                     || walks.last(ns.inode).is_none()
                     || walk::worth_walking(procfs::sockstat(), last_sweep.get(&ns.inode));
                 if !walk {
@@ -410,6 +413,12 @@ fn owners_and_between(
     if between.is_empty() && parts.is_empty() && look.is_none() {
         return Ok((kernel.for_each_owner(|o| holders.push(&o))?, None));
     }
+    if !kernel.sweeps() {
+        // Every namespace was walked (nothing between walks): only the look, through the
+        // owner dump that reads other namespaces' held sockets.
+        let dump = look_without_sweep(kernel, walks, look, b, holders)?;
+        return Ok((dump, None));
+    }
     parts.extend(between.iter().map(|ns| {
         let last = walks.last(ns.inode);
         let ephemeral = last.and_then(|w| w.ephemeral.clone());
@@ -461,6 +470,40 @@ fn owners_and_between(
         }
     }
     Ok((dump, Some((sweep, per_netns))))
+}
+
+/// The owner dump and, with `look`, the holders of sockets of namespaces discovery did not
+/// find, from the pass that also reads other namespaces' held sockets; a namespace that
+/// vanished from discovery but is still held keeps those sockets as rows.
+fn look_without_sweep(
+    kernel: &mut Kernel,
+    walks: &Walks,
+    mut look: Option<&mut Look>,
+    b: &mut TableBuilder<'_>,
+    holders: &mut Holders,
+) -> Result<kernel::Dump, KernelError> {
+    let mut parts: FxHashMap<u32, usize> = FxHashMap::default();
+    kernel.for_each_owner_and_elsewhere(|o| match o {
+        Owned::Owner(o) => holders.push(&o),
+        Owned::Elsewhere(p) => {
+            holders.push(&p.owner);
+            let inode = p.owner.netns;
+            if !look
+                .as_mut()
+                .is_some_and(|l| l.see(inode, p.owner.tgid, p.owner.fd))
+            {
+                return;
+            }
+            let part = *parts.entry(inode).or_insert_with(|| {
+                let last = walks.last(inode);
+                b.begin_namespace(
+                    hidden_row(inode, last.and_then(|w| w.keepalive)),
+                    last.and_then(|w| w.ephemeral.clone()),
+                )
+            });
+            b.push_in(part, &p.sock);
+        }
+    })
 }
 
 /// Say once which namespaces this scan (`now`) knows only through a socket a process holds,
