@@ -120,7 +120,7 @@ pub struct Kernel {
     iter_netns_socks: Iter,
     /// Every tracked socket of every namespace (see `sweep`): loaded on first use, since
     /// only the daemon sweeps.
-    sweeper: SweepState,
+    sweeper: sweep::SweepState,
     memory: memory::MapMemory,
     /// Whether the tracker is still attached through this process's pins (see `tracker`).
     tracker: tracker::Watch,
@@ -281,7 +281,7 @@ impl Kernel {
             iter_tcp: from_pin(&tcp_pin, names::PROG_ITER_TCP)?,
             iter_files: from_pin(&files_pin, names::PROG_ITER_FILES)?,
             iter_netns_socks: from_pin(&netns_pin, names::PROG_ITER_NETNS_SOCKS)?,
-            sweeper: SweepState::NotTried,
+            sweeper: sweep::SweepState::NotTried,
             ebpf: maps,
             tracker: tracker::Watch::new(&memory),
             memory,
@@ -362,13 +362,6 @@ fn pinned_set_bits(pin_dir: &Path) -> Option<u32> {
     let map = MapData::from_pin(pin_dir.join("state")).ok()?;
     let entries = map.info().ok()?.max_entries();
     entries.is_power_of_two().then(|| entries.trailing_zeros())
-}
-
-/// Whether the sweep program is loaded.
-enum SweepState {
-    NotTried,
-    Ready(Box<sweep::Sweeper>),
-    Refused,
 }
 
 /// The maps every load of the object shares with the pinned tracker (name, pin file).
@@ -521,67 +514,6 @@ impl Kernel {
         }
         out.failed.append(&mut failed_dumps);
         Ok(out)
-    }
-
-    /// Whether this kernel runs the sweep (see `sweep`): its program is loaded (and pinned)
-    /// on the first ask. A kernel whose verifier refuses it (6.1's gives up on its loop) is
-    /// said once, and the daemon then walks every namespace on every scan instead.
-    pub fn sweeps(&mut self) -> bool {
-        if let SweepState::NotTried = self.sweeper {
-            let pin = self.pin_dir.join(sweep::PROG_PIN);
-            if !pin.exists() {
-                if let Err(e) = Self::load_sweep(&self.pin_dir, self.verbose, self.set_bits) {
-                    tracing::warn!(
-                        error = %format!("{:#}", anyhow::Error::new(e)),
-                        "no sweep over the state table on this kernel: every network namespace is walked on every scan (netns_walk_interval is not used)"
-                    );
-                    self.sweeper = SweepState::Refused;
-                    return false;
-                }
-            }
-            self.sweeper = match sweep::Sweeper::open(&self.pin_dir, 1 << self.set_bits) {
-                Ok(s) => SweepState::Ready(Box::new(s)),
-                Err(e) => {
-                    tracing::warn!(
-                        error = %format!("{:#}", anyhow::Error::new(e)),
-                        "cannot open the sweep over the state table: every network namespace is walked on every scan"
-                    );
-                    SweepState::Refused
-                }
-            };
-        }
-        matches!(self.sweeper, SweepState::Ready(_))
-    }
-
-    /// Load the sweep program from the object (its maps from their pins) and pin it.
-    fn load_sweep(pin_dir: &Path, verbose: bool, set_bits: u32) -> Result<(), KernelError> {
-        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
-        let mut loader = EbpfLoader::new();
-        loader.override_global(names::OFFSETS, &offsets, true);
-        loader.override_global(names::SET_BITS, &set_bits, true);
-        loader.map_max_entries(names::STATE_MAP, 1 << set_bits);
-        let ebpf = with_pinned_maps(&mut loader, pin_dir)
-            .load(OBJECT)
-            .map_err(KernelError::Object)?;
-        let mut loaded = Loaded { ebpf, verbose };
-        let prog: &mut RawTracePoint = loaded.program(names::PROG_SWEEP)?;
-        prog.load()
-            .map_err(|e| program_error(verbose, names::PROG_SWEEP, e))?;
-        let pin = pin_dir.join(sweep::PROG_PIN);
-        let _ = fs::remove_file(&pin);
-        prog.pin(&pin).map_err(KernelError::pin(&pin))
-    }
-
-    /// Every tracked socket of every network namespace, fresh (see `sweep`); an error when
-    /// [`Kernel::sweeps`] is false.
-    pub fn sweep(
-        &mut self,
-        f: impl FnMut(&connreap_ebpf::SweepRecord),
-    ) -> Result<Dump, KernelError> {
-        match &mut self.sweeper {
-            SweepState::Ready(s) => Ok(s.sweep(f)?),
-            _ => Err(KernelError::NoSweep),
-        }
     }
 
     /// Every (socket, process) pair on the host, one record at a time.

@@ -5,8 +5,9 @@
 //!
 //! The output array is pinned with the tracker and shared by every connreap process that uses
 //! this pin directory (the program is pinned too, and a program's maps are fixed at load), so
-//! a sweep holds an exclusive `flock` on the pin directory for its duration: a `snapshot` run
-//! while the daemon sweeps waits for it (a sweep takes milliseconds per 100k sockets).
+//! a sweep holds an exclusive `flock` on the pin directory for its duration (two daemons on one
+//! pin root take turns). Only the daemon sweeps: the program is loaded (and pinned) on its
+//! first ask (`Kernel::sweeps`).
 use std::{
     fs,
     os::fd::{AsFd as _, AsRawFd as _},
@@ -14,14 +15,18 @@ use std::{
     time::{Duration, Instant},
 };
 
+use aya::EbpfLoader;
 use aya::{
     maps::MapData,
     programs::{ProgramError, RawTracePoint},
     RawTracePointRunOptions, TestRun as _,
 };
-use connreap_ebpf::{SweepRecord, STATE_WAYS, SWEEP_SETS};
+use connreap_ebpf::{names, SweepRecord, STATE_WAYS, SWEEP_SETS};
 
-use super::Dump;
+use super::{
+    error::program_error, offsets, with_pinned_maps, Dump, Kernel, KernelError, Loaded, BTF_PATH,
+    OBJECT,
+};
 
 /// Pin files of the program and its output array, in the pin directory.
 pub(super) const PROG_PIN: &str = "sweep";
@@ -166,5 +171,75 @@ impl Drop for DirLock<'_> {
     fn drop(&mut self) {
         // SAFETY: unlock the flock taken in `new`.
         unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
+    }
+}
+
+/// Whether the sweep program is loaded.
+pub(super) enum SweepState {
+    NotTried,
+    Ready(Box<Sweeper>),
+    Refused,
+}
+
+impl Kernel {
+    /// Whether this kernel runs the sweep (see `sweep`): its program is loaded (and pinned)
+    /// on the first ask. A kernel whose verifier refuses it (6.1's gives up on its loop) is
+    /// said once, and the daemon then walks every namespace on every scan instead.
+    pub fn sweeps(&mut self) -> bool {
+        if let SweepState::NotTried = self.sweeper {
+            let pin = self.pin_dir.join(PROG_PIN);
+            if !pin.exists() {
+                if let Err(e) = Self::load_sweep(&self.pin_dir, self.verbose, self.set_bits) {
+                    tracing::warn!(
+                        error = %format!("{:#}", anyhow::Error::new(e)),
+                        "no sweep over the state table on this kernel: every network namespace is walked on every scan (netns_walk_interval is not used)"
+                    );
+                    self.sweeper = SweepState::Refused;
+                    return false;
+                }
+            }
+            self.sweeper = match Sweeper::open(&self.pin_dir, 1 << self.set_bits) {
+                Ok(s) => SweepState::Ready(Box::new(s)),
+                Err(e) => {
+                    tracing::warn!(
+                        error = %format!("{:#}", anyhow::Error::new(e)),
+                        "cannot open the sweep over the state table: every network namespace is walked on every scan"
+                    );
+                    SweepState::Refused
+                }
+            };
+        }
+        matches!(self.sweeper, SweepState::Ready(_))
+    }
+
+    /// Load the sweep program from the object (its maps from their pins) and pin it.
+    fn load_sweep(pin_dir: &Path, verbose: bool, set_bits: u32) -> Result<(), KernelError> {
+        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
+        let mut loader = EbpfLoader::new();
+        loader.override_global(names::OFFSETS, &offsets, true);
+        loader.override_global(names::SET_BITS, &set_bits, true);
+        loader.map_max_entries(names::STATE_MAP, 1 << set_bits);
+        let ebpf = with_pinned_maps(&mut loader, pin_dir)
+            .load(OBJECT)
+            .map_err(KernelError::Object)?;
+        let mut loaded = Loaded { ebpf, verbose };
+        let prog: &mut RawTracePoint = loaded.program(names::PROG_SWEEP)?;
+        prog.load()
+            .map_err(|e| program_error(verbose, names::PROG_SWEEP, e))?;
+        let pin = pin_dir.join(PROG_PIN);
+        let _ = fs::remove_file(&pin);
+        prog.pin(&pin).map_err(KernelError::pin(&pin))
+    }
+
+    /// Every tracked socket of every network namespace, fresh (see `sweep`); an error when
+    /// [`Kernel::sweeps`] is false.
+    pub fn sweep(
+        &mut self,
+        f: impl FnMut(&connreap_ebpf::SweepRecord),
+    ) -> Result<Dump, KernelError> {
+        match &mut self.sweeper {
+            SweepState::Ready(s) => Ok(s.sweep(f)?),
+            _ => Err(KernelError::NoSweep),
+        }
     }
 }
