@@ -299,16 +299,7 @@ impl Kernel {
         verbose: bool,
         set_bits: u32,
     ) -> Result<Maps, KernelError> {
-        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
-        let mut loader = EbpfLoader::new();
-        loader.override_global(names::OFFSETS, &offsets, true);
-        loader.override_global(names::SET_BITS, &set_bits, true);
-        loader.map_max_entries(names::STATE_MAP, 1 << set_bits);
-        let ebpf = with_pinned_maps(&mut loader, pin_dir)
-            .load(OBJECT)
-            .map_err(KernelError::Object)?;
-
-        let mut loaded = Loaded { ebpf, verbose };
+        let mut loaded = Loaded::object(pin_dir, verbose, set_bits)?;
         let btf = Btf::from_sys_fs().map_err(KernelError::KernelBtf)?;
         loaded.attach_tracker(&pin_dir.join("link"), &btf)?;
         for (prog, iter_type, pin) in [
@@ -395,6 +386,20 @@ struct Loaded {
 }
 
 impl Loaded {
+    /// The object with the kernel offsets and the table's size set, its maps from their pins
+    /// in `pin_dir` (created there when missing); no program is loaded yet.
+    fn object(pin_dir: &Path, verbose: bool, set_bits: u32) -> Result<Self, KernelError> {
+        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
+        let mut loader = EbpfLoader::new();
+        loader.override_global(names::OFFSETS, &offsets, true);
+        loader.override_global(names::SET_BITS, &set_bits, true);
+        loader.map_max_entries(names::STATE_MAP, 1 << set_bits);
+        let ebpf = with_pinned_maps(&mut loader, pin_dir)
+            .load(OBJECT)
+            .map_err(KernelError::Object)?;
+        Ok(Loaded { ebpf, verbose })
+    }
+
     fn program<T>(&mut self, name: &'static str) -> Result<&mut T, KernelError>
     where
         for<'a> &'a mut T: TryFrom<&'a mut aya::programs::Program>,

@@ -15,7 +15,6 @@ use std::{
     time::{Duration, Instant},
 };
 
-use aya::EbpfLoader;
 use aya::{
     maps::MapData,
     programs::{ProgramError, RawTracePoint},
@@ -23,10 +22,7 @@ use aya::{
 };
 use connreap_ebpf::{names, SweepRecord, STATE_WAYS, SWEEP_SETS};
 
-use super::{
-    error::program_error, offsets, with_pinned_maps, Dump, Kernel, KernelError, Loaded, BTF_PATH,
-    OBJECT,
-};
+use super::{error::program_error, Dump, Kernel, KernelError, Loaded};
 
 /// Pin files of the program and its output array, in the pin directory.
 pub(super) const PROG_PIN: &str = "sweep";
@@ -214,15 +210,7 @@ impl Kernel {
 
     /// Load the sweep program from the object (its maps from their pins) and pin it.
     fn load_sweep(pin_dir: &Path, verbose: bool, set_bits: u32) -> Result<(), KernelError> {
-        let offsets = offsets::resolve(Path::new(BTF_PATH))?;
-        let mut loader = EbpfLoader::new();
-        loader.override_global(names::OFFSETS, &offsets, true);
-        loader.override_global(names::SET_BITS, &set_bits, true);
-        loader.map_max_entries(names::STATE_MAP, 1 << set_bits);
-        let ebpf = with_pinned_maps(&mut loader, pin_dir)
-            .load(OBJECT)
-            .map_err(KernelError::Object)?;
-        let mut loaded = Loaded { ebpf, verbose };
+        let mut loaded = Loaded::object(pin_dir, verbose, set_bits)?;
         let prog: &mut RawTracePoint = loaded.program(names::PROG_SWEEP)?;
         prog.load()
             .map_err(|e| program_error(verbose, names::PROG_SWEEP, e))?;
