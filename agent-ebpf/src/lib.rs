@@ -51,6 +51,7 @@ pub mod names {
     pub const STAGING: &str = "CONNREAP_STAGING";
     pub const SWEEP_MAP: &str = "CONNREAP_SWEEP";
     pub const PROG_SWEEP: &str = "connreap_sweep";
+    pub const PROG_SWEEP_LOOP: &str = "connreap_sweep_loop";
     pub const PROG_FLUSH: &str = "connreap_flush_events";
     /// aya-log's ring of the programs' log records (the name aya-log-ebpf gives it).
     pub const LOGS: &str = "AYA_LOGS";
@@ -402,9 +403,15 @@ pub struct SockRecord {
     pub _pad: u32,
 }
 
-/// Sets of the state table one run of the sweep program reads (`connreap_sweep`): its output
-/// array holds one record per way of these.
-pub const SWEEP_SETS: u32 = 4;
+/// Sets of the state table one run of the sweep reads with `bpf_loop` (`connreap_sweep_loop`,
+/// Linux 5.17+): its output array holds one record per way of these (4096 records, 448 KiB).
+/// Each run is one `BPF_PROG_TEST_RUN` call, about 1.3 µs of fixed cost on this machine.
+pub const MAX_SWEEP_SETS: u32 = 256;
+
+/// Sets one run of the unrolled sweep reads (`connreap_sweep`, for kernels without
+/// `bpf_loop`): the verifier walks every way of every set of a run, and 6.1's gave E2BIG
+/// above 4 (6.18's refuses 64, at its limit of a million instructions, after 20 s).
+pub const UNROLLED_SWEEP_SETS: u32 = 4;
 
 /// One socket from the sweep over the state table: its record as iter/tcp would give it, and
 /// the inode of its network namespace.

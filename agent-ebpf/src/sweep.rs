@@ -5,10 +5,12 @@
 //! a plain number to the verifier). Its cost is proportional to the tracked sockets alone,
 //! where an `iter/tcp` dump sees one namespace and walks the host-wide TCP hash to do it.
 //!
-//! Never attached: userspace runs it with `BPF_PROG_TEST_RUN`, [`SWEEP_SETS`] sets of the
-//! table per run (`args[0]` = the first set; the return value counts the sets read), and reads
-//! the run's records out of `CONNREAP_SWEEP`, a memory-mapped array with a slot per way (an
-//! empty slot has skaddr 0).
+//! Never attached: userspace runs it with `BPF_PROG_TEST_RUN`, many sets of the table per run
+//! (`args[0]` = the first set; the return value counts the sets read), and reads the run's
+//! records out of `CONNREAP_SWEEP`, a memory-mapped array with a slot per way (an empty slot
+//! has skaddr 0). Two forms: `connreap_sweep_loop` reads 256 sets per run through `bpf_loop`
+//! (5.17+); `connreap_sweep`, for older kernels, 4 sets per run in a loop the verifier walks
+//! way by way.
 //!
 //! A key can be stale: a socket freed without a transition to CLOSE (no such path is known,
 //! but the table cannot tell) leaves its address behind, and TCP sockets' slab memory is
@@ -18,56 +20,131 @@
 //! reused address) is written without a known age.
 use core::ffi::c_void;
 
-use aya_ebpf::{bindings::BPF_F_MMAPABLE, helpers::bpf_jiffies64, macros::map, maps::Array};
+use aya_ebpf::{
+    bindings::BPF_F_MMAPABLE,
+    helpers::{bpf_jiffies64, generated::bpf_loop},
+    macros::map,
+    maps::Array,
+};
 use connreap_ebpf::{
     sock_flags, tcp_state, SockRecord, StateEntry, SweepRecord, AF_INET, AF_INET6, IPPROTO_TCP,
-    STATE_WAYS, SWEEP_SETS,
+    MAX_SWEEP_SETS, STATE_WAYS, UNROLLED_SWEEP_SETS,
 };
 
 use crate::{off, programs::read, state};
 
-/// One run's output: up to all ways of [`SWEEP_SETS`] sets.
+/// One run's output: up to all ways of [`MAX_SWEEP_SETS`] sets.
 #[map(name = "CONNREAP_SWEEP")]
 static CONNREAP_SWEEP: Array<SweepRecord> =
-    Array::with_max_entries(SWEEP_SETS * STATE_WAYS as u32, BPF_F_MMAPABLE);
+    Array::with_max_entries(MAX_SWEEP_SETS * STATE_WAYS as u32, BPF_F_MMAPABLE);
 
-/// Declared by hand, like the flush program: the daemon reads the return value (the number
-/// of records written), which aya-ebpf's `#[raw_tracepoint]` entry would discard.
+/// The run's first set (`args[0]` of the test run; a raw tracepoint's context is its u64
+/// arguments, and BPF_PROG_TEST_RUN passes 12) and the jiffies now; None when the loader set
+/// no kernel offsets.
+#[inline(always)]
+fn start(ctx: *mut c_void) -> Option<(u32, u64)> {
+    // SAFETY: the context holds at least one u64 argument (see above).
+    let first = unsafe { *(ctx as *const u64) } as u32;
+    if off!(valid) != connreap_ebpf::KernelOffsets::MAGIC as u64 {
+        return None;
+    }
+    // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
+    Some((first, unsafe { bpf_jiffies64() }))
+}
+
+/// Read set `idx` of the table into the output slots of the run's `slot`-th set; false past
+/// the table's end.
+///
+/// Each way has its own output slot, marked empty (skaddr 0) unless a record is written:
+/// nothing in the program's state depends on which ways held a socket, so the verifier's
+/// states after each way are alike (a running count of records would make them differ, and
+/// older verifiers give up on the unrolled loop: E2BIG on 6.1).
+#[inline(always)]
+fn sweep_set(idx: u32, slot: u32, now: u64) -> bool {
+    if idx >= state::sets() {
+        return false;
+    }
+    let Some(set) = state::set(idx) else {
+        return false;
+    };
+    for way in 0..STATE_WAYS {
+        let Some(out) = CONNREAP_SWEEP.get_ptr_mut(slot * STATE_WAYS as u32 + way as u32) else {
+            continue;
+        };
+        // SAFETY: a valid map value of this run's output; one sweep runs at a time
+        // (userspace holds a lock around each).
+        let out = unsafe { &mut *out };
+        out.sock.skaddr = 0;
+        let (sk, entry) = state::way(set, way);
+        if sk != 0 {
+            sweep_one(sk, &entry, now, out);
+        }
+    }
+    true
+}
+
+/// The sweep where `bpf_loop` exists (5.17+): [`MAX_SWEEP_SETS`] sets per run, the loop's body
+/// verified once. Returns the sets read, -1 without kernel offsets.
+///
+/// Declared by hand, like the flush program: the daemon reads the return value, which
+/// aya-ebpf's `#[raw_tracepoint]` entry would discard.
+#[no_mangle]
+#[link_section = "raw_tp/connreap_sweep_loop"]
+pub fn connreap_sweep_loop(ctx: *mut c_void) -> i32 {
+    let Some((first, now)) = start(ctx) else {
+        return -1;
+    };
+    let mut run = LoopRun {
+        first,
+        now,
+        sets: 0,
+    };
+    // SAFETY: the callback is a static function of the signature bpf_loop calls; its context
+    // is this stack value, alive for the call.
+    unsafe {
+        bpf_loop(
+            MAX_SWEEP_SETS,
+            sweep_loop_body as *mut c_void,
+            &mut run as *mut LoopRun as *mut c_void,
+            0,
+        )
+    };
+    run.sets as i32
+}
+
+/// What the loop's body needs and counts.
+#[repr(C)]
+struct LoopRun {
+    first: u32,
+    now: u64,
+    sets: u32,
+}
+
+/// One set per call; returns 1 (stop) past the table's end.
+#[inline(never)]
+extern "C" fn sweep_loop_body(i: u64, ctx: *mut c_void) -> i64 {
+    // SAFETY: `ctx` is the LoopRun on connreap_sweep_loop's stack, passed through bpf_loop.
+    let run = unsafe { &mut *(ctx as *mut LoopRun) };
+    let slot = i as u32;
+    if !sweep_set(run.first.wrapping_add(slot), slot, run.now) {
+        return 1;
+    }
+    run.sets += 1;
+    0
+}
+
+/// The sweep for kernels without `bpf_loop`: [`UNROLLED_SWEEP_SETS`] sets per run, every way
+/// walked by the verifier. Returns the sets read, -1 without kernel offsets.
 #[no_mangle]
 #[link_section = "raw_tp/connreap_sweep"]
 pub fn connreap_sweep(ctx: *mut c_void) -> i32 {
-    // SAFETY: a raw tracepoint's context is its u64 arguments; BPF_PROG_TEST_RUN passes 12.
-    let first = unsafe { *(ctx as *const u64) } as u32;
-    if off!(valid) != connreap_ebpf::KernelOffsets::MAGIC as u64 {
+    let Some((first, now)) = start(ctx) else {
         return -1;
-    }
-    // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
-    let now = unsafe { bpf_jiffies64() };
-    // Each way has its own output slot, marked empty (skaddr 0) unless a record is written:
-    // nothing in the program's state depends on which ways held a socket, so the verifier's
-    // states after each way are alike (a running count of records would make them differ, and
-    // older verifiers give up on the loop: E2BIG on 6.1).
+    };
     let mut sets = 0;
-    for s in 0..SWEEP_SETS {
-        let idx = first.wrapping_add(s);
-        if idx >= state::sets() {
+    for s in 0..UNROLLED_SWEEP_SETS {
+        if !sweep_set(first.wrapping_add(s), s, now) {
             break;
-        }
-        let Some(set) = state::set(idx) else {
-            break;
-        };
-        for way in 0..STATE_WAYS {
-            let Some(out) = CONNREAP_SWEEP.get_ptr_mut(s * STATE_WAYS as u32 + way as u32) else {
-                continue;
-            };
-            // SAFETY: a valid map value of this run's output; one sweep runs at a time
-            // (userspace holds a lock around each).
-            let out = unsafe { &mut *out };
-            out.sock.skaddr = 0;
-            let (sk, entry) = state::way(set, way);
-            if sk != 0 {
-                sweep_one(sk, &entry, now, out);
-            }
         }
         sets += 1;
     }
@@ -99,7 +176,7 @@ impl Common {
     }
 }
 
-/// Fill `out` from the socket at `sk`/// Fill `out` from the socket at `sk`, tracked as `entry`; left empty (skaddr 0) when the
+/// Fill `out` from the socket at `sk`, tracked as `entry`; left empty (skaddr 0) when the
 /// memory there is no longer a TCP socket the entry could describe.
 #[inline(never)]
 fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) {

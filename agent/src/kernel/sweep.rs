@@ -1,7 +1,8 @@
 //! The sweep over the state table (agent-ebpf's `sweep.rs`): every tracked socket of every
-//! network namespace, fresh, in runs of `SWEEP_SETS` sets of the table. The program writes a
-//! run's records into `CONNREAP_SWEEP`, an array this process maps read-only, a slot per way
-//! (empty: skaddr 0), and returns how many sets it read.
+//! network namespace, fresh, in runs of many sets of the table (256 with `bpf_loop`, 4 on
+//! kernels without it). The program writes a run's records into
+//! `CONNREAP_SWEEP`, an array this process maps read-only, a slot per way (empty: skaddr 0),
+//! and returns how many sets it read; the next run starts after them.
 //!
 //! The output array is pinned with the tracker and shared by every connreap process that uses
 //! this pin directory (the program is pinned too, and a program's maps are fixed at load), so
@@ -20,7 +21,7 @@ use aya::{
     programs::{ProgramError, RawTracePoint},
     RawTracePointRunOptions, TestRun as _,
 };
-use connreap_ebpf::{names, SweepRecord, STATE_WAYS, SWEEP_SETS};
+use connreap_ebpf::{names, SweepRecord, MAX_SWEEP_SETS, STATE_WAYS};
 
 use super::{error::program_error, Dump, Kernel, KernelError, Loaded};
 
@@ -29,7 +30,7 @@ pub(super) const PROG_PIN: &str = "sweep";
 pub(super) const MAP_PIN: &str = "sweep_out";
 
 /// Records one run can write.
-const RUN_RECORDS: usize = SWEEP_SETS as usize * STATE_WAYS;
+const RUN_RECORDS: usize = MAX_SWEEP_SETS as usize * STATE_WAYS;
 
 #[derive(Debug, thiserror::Error)]
 pub enum SweepError {
@@ -49,8 +50,8 @@ pub enum SweepError {
     },
     #[error("the sweep program read nothing: the loader did not set the kernel offsets")]
     NoOffsets,
-    #[error("the sweep program says it read {0} sets, more than one run reads ({SWEEP_SETS})")]
-    TooMany(i64),
+    #[error("the sweep program says it read {0} sets from set {1} of {2}: not within one run ({MAX_SWEEP_SETS} at most) and the table")]
+    BadCount(i64, u32, u32),
 }
 
 /// The pinned sweep program, its output array mapped into this process, and the directory
@@ -111,7 +112,8 @@ impl Sweeper {
             DirLock::new(&self.dir).map_err(|e| SweepError::Lock(self.dir_name.clone(), e))?;
         let mut dump = Dump::default();
         let mut in_kernel = Duration::ZERO;
-        for first in (0..self.sets).step_by(SWEEP_SETS as usize) {
+        let mut first = 0;
+        while first < self.sets {
             let mut opts = RawTracePointRunOptions::new();
             opts.args[0] = u64::from(first);
             let t = Instant::now();
@@ -124,8 +126,10 @@ impl Sweeper {
             if sets < 0 {
                 return Err(SweepError::NoOffsets);
             }
-            if sets > i64::from(SWEEP_SETS) {
-                return Err(SweepError::TooMany(sets));
+            // Each run reads at least one set (it stops only at the table's end).
+            if sets == 0 || sets > i64::from(MAX_SWEEP_SETS) || sets > i64::from(self.sets - first)
+            {
+                return Err(SweepError::BadCount(sets, first, self.sets));
             }
             // SAFETY: the mapping holds RUN_RECORDS records; the program wrote a slot per way
             // of the `sets` sets it read in the run that just returned, and no other sweep
@@ -136,6 +140,7 @@ impl Sweeper {
                 f(r);
                 dump.records += 1;
             }
+            first += sets as u32;
         }
         dump.in_kernel = in_kernel;
         dump.total = start.elapsed();
@@ -208,12 +213,39 @@ impl Kernel {
         matches!(self.sweeper, SweepState::Ready(_))
     }
 
-    /// Load the sweep program from the object (its maps from their pins) and pin it.
+    /// Load the sweep program from the object (its maps from their pins) and pin it: the form
+    /// with `bpf_loop` (5.17+), else the unrolled one (the last refusal is the error).
     fn load_sweep(pin_dir: &Path, verbose: bool, set_bits: u32) -> Result<(), KernelError> {
-        let mut loaded = Loaded::object(pin_dir, verbose, set_bits)?;
-        let prog: &mut RawTracePoint = loaded.program(names::PROG_SWEEP)?;
-        prog.load()
-            .map_err(|e| program_error(verbose, names::PROG_SWEEP, e))?;
+        let mut refused = None;
+        for name in [names::PROG_SWEEP_LOOP, names::PROG_SWEEP] {
+            let t = Instant::now();
+            let mut loaded = Loaded::object(pin_dir, verbose, set_bits)?;
+            let prog: &mut RawTracePoint = loaded.program(name)?;
+            match prog.load() {
+                Ok(()) => {
+                    tracing::info!(
+                        program = name,
+                        load_ms = t.elapsed().as_millis() as u64,
+                        "sweep over the state table loaded"
+                    );
+                    return Self::pin_sweep(pin_dir, prog);
+                }
+                Err(e) => {
+                    let e = program_error(verbose, name, e);
+                    tracing::debug!(
+                        program = name,
+                        load_ms = t.elapsed().as_millis() as u64,
+                        error = %e,
+                        "the verifier refused this form of the sweep"
+                    );
+                    refused = Some(e);
+                }
+            }
+        }
+        Err(refused.unwrap_or(KernelError::MissingProgram(names::PROG_SWEEP)))
+    }
+
+    fn pin_sweep(pin_dir: &Path, prog: &mut RawTracePoint) -> Result<(), KernelError> {
         let pin = pin_dir.join(PROG_PIN);
         let _ = fs::remove_file(&pin);
         prog.pin(&pin).map_err(KernelError::pin(&pin))
