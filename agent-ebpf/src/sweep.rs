@@ -38,18 +38,31 @@ use crate::{off, programs::read, state};
 static CONNREAP_SWEEP: Array<SweepRecord> =
     Array::with_max_entries(MAX_SWEEP_SETS * STATE_WAYS as u32, BPF_F_MMAPABLE);
 
-/// The run's first set (`args[0]` of the test run; a raw tracepoint's context is its u64
-/// arguments, and BPF_PROG_TEST_RUN passes 12) and the jiffies now; None when the loader set
-/// no kernel offsets.
+/// What a run is asked (the test run's arguments: a raw tracepoint's context is its u64
+/// arguments, and BPF_PROG_TEST_RUN passes 12): its first set (`args[0]`) and the namespace
+/// whose sockets it skips (`args[1]`, 0 for none: the daemon's own, which it walks on every
+/// scan); and the jiffies now.
+#[derive(Clone, Copy)]
+struct Ask {
+    first: u32,
+    skip_netns: u32,
+    now: u64,
+}
+
+/// The run's [`Ask`]; None when the loader set no kernel offsets.
 #[inline(always)]
-fn start(ctx: *mut c_void) -> Option<(u32, u64)> {
-    // SAFETY: the context holds at least one u64 argument (see above).
-    let first = unsafe { *(ctx as *const u64) } as u32;
+fn start(ctx: *mut c_void) -> Option<Ask> {
+    // SAFETY: the context holds 12 u64 arguments (see above).
+    let (first, skip) = unsafe { (*(ctx as *const u64), *(ctx as *const u64).add(1)) };
     if off!(valid) != connreap_ebpf::KernelOffsets::MAGIC as u64 {
         return None;
     }
-    // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
-    Some((first, unsafe { bpf_jiffies64() }))
+    Some(Ask {
+        first: first as u32,
+        skip_netns: skip as u32,
+        // SAFETY: a helper without arguments that only reads the kernel's jiffies counter.
+        now: unsafe { bpf_jiffies64() },
+    })
 }
 
 /// Read set `idx` of the table into the output slots of the run's `slot`-th set; false past
@@ -60,7 +73,7 @@ fn start(ctx: *mut c_void) -> Option<(u32, u64)> {
 /// states after each way are alike (a running count of records would make them differ, and
 /// older verifiers give up on the unrolled loop: E2BIG on 6.1).
 #[inline(always)]
-fn sweep_set(idx: u32, slot: u32, now: u64) -> bool {
+fn sweep_set(idx: u32, slot: u32, ask: &Ask) -> bool {
     if idx >= state::sets() {
         return false;
     }
@@ -77,7 +90,7 @@ fn sweep_set(idx: u32, slot: u32, now: u64) -> bool {
         out.sock.skaddr = 0;
         let (sk, entry) = state::way(set, way);
         if sk != 0 {
-            sweep_one(sk, &entry, now, out);
+            sweep_one(sk, &entry, ask, out);
         }
     }
     true
@@ -91,14 +104,10 @@ fn sweep_set(idx: u32, slot: u32, now: u64) -> bool {
 #[no_mangle]
 #[link_section = "raw_tp/connreap_sweep_loop"]
 pub fn connreap_sweep_loop(ctx: *mut c_void) -> i32 {
-    let Some((first, now)) = start(ctx) else {
+    let Some(ask) = start(ctx) else {
         return -1;
     };
-    let mut run = LoopRun {
-        first,
-        now,
-        sets: 0,
-    };
+    let mut run = LoopRun { ask, sets: 0 };
     // SAFETY: the callback is a static function of the signature bpf_loop calls; its context
     // is this stack value, alive for the call.
     unsafe {
@@ -115,8 +124,7 @@ pub fn connreap_sweep_loop(ctx: *mut c_void) -> i32 {
 /// What the loop's body needs and counts.
 #[repr(C)]
 struct LoopRun {
-    first: u32,
-    now: u64,
+    ask: Ask,
     sets: u32,
 }
 
@@ -126,7 +134,7 @@ extern "C" fn sweep_loop_body(i: u64, ctx: *mut c_void) -> i64 {
     // SAFETY: `ctx` is the LoopRun on connreap_sweep_loop's stack, passed through bpf_loop.
     let run = unsafe { &mut *(ctx as *mut LoopRun) };
     let slot = i as u32;
-    if !sweep_set(run.first.wrapping_add(slot), slot, run.now) {
+    if !sweep_set(run.ask.first.wrapping_add(slot), slot, &run.ask) {
         return 1;
     }
     run.sets += 1;
@@ -138,12 +146,12 @@ extern "C" fn sweep_loop_body(i: u64, ctx: *mut c_void) -> i64 {
 #[no_mangle]
 #[link_section = "raw_tp/connreap_sweep"]
 pub fn connreap_sweep(ctx: *mut c_void) -> i32 {
-    let Some((first, now)) = start(ctx) else {
+    let Some(ask) = start(ctx) else {
         return -1;
     };
     let mut sets = 0;
     for s in 0..UNROLLED_SWEEP_SETS {
-        if !sweep_set(first.wrapping_add(s), s, now) {
+        if !sweep_set(ask.first.wrapping_add(s), s, &ask) {
             break;
         }
         sets += 1;
@@ -177,10 +185,22 @@ impl Common {
 }
 
 /// Fill `out` from the socket at `sk`, tracked as `entry`; left empty (skaddr 0) when the
-/// memory there is no longer a TCP socket the entry could describe.
+/// memory there is no longer a TCP socket the entry could describe, or when it is in the
+/// namespace the run skips (read first: the first cache line of the socket holds it).
 #[inline(never)]
-fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) {
+fn sweep_one(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
+    let now = ask.now;
     let c = Common(read(sk));
+    let net: u64 = c.get(sk, off!(skc_net));
+    let netns: u32 = if net != 0 {
+        read(net + off!(net_ns_inum))
+    } else {
+        0
+    };
+    if netns == ask.skip_netns && netns != 0 {
+        return;
+    }
+    out.netns = netns;
     let family: u16 = c.get(sk, off!(skc_family));
     let state: u8 = c.get(sk, off!(skc_state));
     let protocol: u16 = read(sk + off!(sk_protocol));
@@ -239,12 +259,6 @@ fn sweep_one(sk: u64, entry: &StateEntry, now: u64, out: &mut SweepRecord) {
         age = now.wrapping_sub(entry.since_jiffies);
         flags |= sock_flags::SINCE_KNOWN;
     }
-    let net: u64 = c.get(sk, off!(skc_net));
-    out.netns = if net != 0 {
-        read(net + off!(net_ns_inum))
-    } else {
-        0
-    };
     out.sock = SockRecord {
         skaddr: sk,
         inode,

@@ -26,7 +26,7 @@ const PIN_ROOT_ENV: &str = "CONNREAP_PIN_ROOT";
 
 /// Every pin connreap creates in its object-hash directory: the tracker's link, the maps it
 /// shares, the iterators and the flush program. Nothing else there is ever removed.
-pub(super) const PIN_NAMES: [&str; 14] = [
+pub(super) const PIN_NAMES: [&str; 15] = [
     "link",
     "state",
     "events",
@@ -38,6 +38,7 @@ pub(super) const PIN_NAMES: [&str; 14] = [
     "iter_netns_socks",
     "flush",
     "sweep",
+    "sweep_unrolled",
     "sweep_out",
     // The bench-only sk-storage build's map and iterator (see sk_pass.rs).
     "sk",

@@ -29,6 +29,20 @@ use super::{error::program_error, Dump, Kernel, KernelError, Loaded};
 pub(super) const PROG_PIN: &str = "sweep";
 pub(super) const MAP_PIN: &str = "sweep_out";
 
+/// `CONNREAP_SWEEP_FORM=unrolled` loads the form for kernels without `bpf_loop` whatever the
+/// kernel (pinned apart, as `sweep_unrolled`): how the tests check that form on a kernel that
+/// has `bpf_loop`.
+const FORM_ENV: &str = "CONNREAP_SWEEP_FORM";
+
+/// The forms of the sweep to try, best first, and the pin of the one loaded.
+fn forms() -> (&'static [&'static str], &'static str) {
+    if std::env::var(FORM_ENV).is_ok_and(|v| v == "unrolled") {
+        (&[names::PROG_SWEEP], "sweep_unrolled")
+    } else {
+        (&[names::PROG_SWEEP_LOOP, names::PROG_SWEEP], PROG_PIN)
+    }
+}
+
 /// Records one run can write.
 const RUN_RECORDS: usize = MAX_SWEEP_SETS as usize * STATE_WAYS;
 
@@ -73,8 +87,8 @@ pub struct Sweeper {
 unsafe impl Send for Sweeper {}
 
 impl Sweeper {
-    pub(super) fn open(pin_dir: &Path, sets: u32) -> Result<Self, SweepError> {
-        let prog = RawTracePoint::from_pin(pin_dir.join(PROG_PIN)).map_err(SweepError::Program)?;
+    pub(super) fn open(pin_dir: &Path, prog_pin: &Path, sets: u32) -> Result<Self, SweepError> {
+        let prog = RawTracePoint::from_pin(prog_pin).map_err(SweepError::Program)?;
         let map = MapData::from_pin(pin_dir.join(MAP_PIN)).map_err(SweepError::Map)?;
         let len = RUN_RECORDS * std::mem::size_of::<SweepRecord>();
         // SAFETY: a shared read-only mapping of an mmapable array map's fd, at offset 0, no
@@ -105,8 +119,12 @@ impl Sweeper {
         })
     }
 
-    /// Every tracked socket, one record at a time.
-    pub fn sweep(&mut self, mut f: impl FnMut(&SweepRecord)) -> Result<Dump, SweepError> {
+    /// Every tracked socket, one record at a time, but those of namespace `skip` (0: none).
+    pub fn sweep(
+        &mut self,
+        skip: u32,
+        mut f: impl FnMut(&SweepRecord),
+    ) -> Result<Dump, SweepError> {
         let start = Instant::now();
         let _lock =
             DirLock::new(&self.dir).map_err(|e| SweepError::Lock(self.dir_name.clone(), e))?;
@@ -116,6 +134,7 @@ impl Sweeper {
         while first < self.sets {
             let mut opts = RawTracePointRunOptions::new();
             opts.args[0] = u64::from(first);
+            opts.args[1] = u64::from(skip);
             let t = Instant::now();
             let run = self
                 .prog
@@ -188,9 +207,10 @@ impl Kernel {
     /// said once, and the daemon then walks every namespace on every scan instead.
     pub fn sweeps(&mut self) -> bool {
         if let SweepState::NotTried = self.sweeper {
-            let pin = self.pin_dir.join(PROG_PIN);
+            let (forms, pin_name) = forms();
+            let pin = self.pin_dir.join(pin_name);
             if !pin.exists() {
-                if let Err(e) = Self::load_sweep(&self.pin_dir, self.verbose, self.set_bits) {
+                if let Err(e) = Self::load_sweep(&pin, forms, self.verbose, self.set_bits) {
                     tracing::warn!(
                         error = %format!("{:#}", anyhow::Error::new(e)),
                         "no sweep over the state table on this kernel: every network namespace is walked on every scan (netns_walk_interval is not used)"
@@ -199,7 +219,7 @@ impl Kernel {
                     return false;
                 }
             }
-            self.sweeper = match Sweeper::open(&self.pin_dir, 1 << self.set_bits) {
+            self.sweeper = match Sweeper::open(&self.pin_dir, &pin, 1 << self.set_bits) {
                 Ok(s) => SweepState::Ready(Box::new(s)),
                 Err(e) => {
                     tracing::warn!(
@@ -213,11 +233,18 @@ impl Kernel {
         matches!(self.sweeper, SweepState::Ready(_))
     }
 
-    /// Load the sweep program from the object (its maps from their pins) and pin it: the form
-    /// with `bpf_loop` (5.17+), else the unrolled one (the last refusal is the error).
-    fn load_sweep(pin_dir: &Path, verbose: bool, set_bits: u32) -> Result<(), KernelError> {
+    /// Load the sweep program from the object (its maps from their pins) and pin it at `pin`:
+    /// the first of `forms` the verifier takes (the form with `bpf_loop`, 5.17+, else the
+    /// unrolled one); the last refusal is the error.
+    fn load_sweep(
+        pin: &Path,
+        forms: &[&'static str],
+        verbose: bool,
+        set_bits: u32,
+    ) -> Result<(), KernelError> {
+        let pin_dir = pin.parent().unwrap_or(pin);
         let mut refused = None;
-        for name in [names::PROG_SWEEP_LOOP, names::PROG_SWEEP] {
+        for &name in forms {
             let t = Instant::now();
             let mut loaded = Loaded::object(pin_dir, verbose, set_bits)?;
             let prog: &mut RawTracePoint = loaded.program(name)?;
@@ -228,7 +255,8 @@ impl Kernel {
                         load_ms = t.elapsed().as_millis() as u64,
                         "sweep over the state table loaded"
                     );
-                    return Self::pin_sweep(pin_dir, prog);
+                    let _ = fs::remove_file(pin);
+                    return prog.pin(pin).map_err(KernelError::pin(pin));
                 }
                 Err(e) => {
                     let e = program_error(verbose, name, e);
@@ -245,20 +273,16 @@ impl Kernel {
         Err(refused.unwrap_or(KernelError::MissingProgram(names::PROG_SWEEP)))
     }
 
-    fn pin_sweep(pin_dir: &Path, prog: &mut RawTracePoint) -> Result<(), KernelError> {
-        let pin = pin_dir.join(PROG_PIN);
-        let _ = fs::remove_file(&pin);
-        prog.pin(&pin).map_err(KernelError::pin(&pin))
-    }
-
-    /// Every tracked socket of every network namespace, fresh (see `sweep`); an error when
-    /// [`Kernel::sweeps`] is false.
+    /// Every tracked socket of every network namespace but `skip` (0: none), fresh (see
+    /// `sweep`); an error when [`Kernel::sweeps`] is false. The skipped namespace's sockets
+    /// cost a cache line or two each instead of a dozen.
     pub fn sweep(
         &mut self,
+        skip: u32,
         f: impl FnMut(&connreap_ebpf::SweepRecord),
     ) -> Result<Dump, KernelError> {
         match &mut self.sweeper {
-            SweepState::Ready(s) => Ok(s.sweep(f)?),
+            SweepState::Ready(s) => Ok(s.sweep(skip, f)?),
             _ => Err(KernelError::NoSweep),
         }
     }

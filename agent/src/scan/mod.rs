@@ -268,9 +268,12 @@ impl Scanner {
                 .iter()
                 .filter_map(|i| Some((*i, *entered.get(i)?)))
                 .collect();
+            // The own namespace is walked on every scan: the sweep skips its sockets.
+            let own = spaces.iter().find(|n| n.own).map_or(0, |n| n.inode);
             let (owners, swept) = owners_and_between(
                 &mut self.kernel,
                 &self.walks,
+                own,
                 &between,
                 quiet_parts,
                 look.as_mut(),
@@ -402,6 +405,7 @@ type SweepResult = (kernel::Dump, FxHashMap<u32, Swept>);
 fn owners_and_between(
     kernel: &mut Kernel,
     walks: &Walks,
+    own: u32,
     between: &[Namespace],
     mut parts: FxHashMap<u32, usize>,
     mut look: Option<&mut Look>,
@@ -432,7 +436,7 @@ fn owners_and_between(
     let mut per_netns: FxHashMap<u32, Swept> = FxHashMap::default();
     // Sockets of namespaces this scan does not know, by address: for the look.
     let mut unknown: FxHashMap<u64, SweepRecord> = FxHashMap::default();
-    let sweep = kernel.sweep(|r| {
+    let sweep = kernel.sweep(own, |r| {
         per_netns.entry(r.netns).or_default().add(r);
         if let Some(&part) = parts.get(&r.netns) {
             swept.insert(r.sock.skaddr);

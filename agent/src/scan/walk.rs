@@ -5,8 +5,8 @@
 //! every namespace (unless `net.ipv4.tcp_child_ehash_entries` gave one its own), so each walk
 //! visits every socket of the host to skip the other namespaces': walking every namespace on
 //! every scan costs namespaces × all sockets. So the daemon walks its own namespace on every
-//! scan and each other namespace once per `every` scans (spread over the scans by inode). In
-//! between, the sweep over the state table (`Kernel::sweep`: one pass over the sockets the
+//! scan (the sweep skips its sockets) and each other namespace once per `every` scans (spread
+//! over the scans by inode). In between, the sweep over the state table (`Kernel::sweep`: one pass over the sockets the
 //! tracker knows, every namespace's at once) reads that namespace's full sockets fresh, held or
 //! not; what only a walk sees is carried from its last walk, aged (`carried_between`): its
 //! TIME_WAIT and request (NEW_SYN_RECV) sockets, which are not full sockets and never in the

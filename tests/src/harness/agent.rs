@@ -78,7 +78,16 @@ impl Agent {
     /// runs in production next to containers. Give the config a free port with
     /// [`Config::listen`]: [`super::API`] may be taken there.
     pub fn start_in_host(dir: &TempDir, config: &Config) -> Agent {
-        Agent::launch(None, dir, config, None, |_| {})
+        Agent::start_in_host_with(dir, config, |_| {})
+    }
+
+    /// [`Agent::start_in_host`], with `setup` applied to the command first.
+    pub fn start_in_host_with(
+        dir: &TempDir,
+        config: &Config,
+        setup: impl FnOnce(&mut Command),
+    ) -> Agent {
+        Agent::launch(None, dir, config, None, setup)
     }
 
     /// `sh`: a shell script that execs `"$0" "$@"` (the agent and its arguments) after setting

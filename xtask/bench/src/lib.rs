@@ -91,11 +91,17 @@ pub struct BenchArgs {
     /// process per namespace), default 100×500.
     #[arg(long, value_name = "NxC", value_parser = parse_spread)]
     spread: Option<(usize, usize)>,
+    /// Measure 7: only its row of the daemon's CPU per scan with the sockets spread over many
+    /// namespaces against the same sockets in one (the other rows walk every namespace on
+    /// every scan, which takes hours at 300 namespaces × 1k sockets).
+    #[arg(long)]
+    spread_only: bool,
     /// How long to wait for e2e tests and compiles to finish before measuring anyway (noted in
     /// the report).
     #[arg(long, default_value_t = 600)]
     wait_quiet: u64,
-    /// Also time this connreap binary (built from an older commit) in measures 3, 6 and 7,
+    /// Also time this connreap binary (built from an older commit) in measures 3, 6 and 7 (and
+    /// its tracker in measure 1 with `--probe-parts`, as the variant `baseline`),
     /// alternated with the current one on the same sockets: a row per size with the ratio of
     /// snapshot times current/baseline, one of daemon CPU per scan at the largest size, and
     /// (for a baseline that knows namespaces) one of daemon CPU per scan at many namespaces
@@ -180,6 +186,8 @@ pub struct Ctx {
     pub baseline: Option<baseline::Baseline>,
     /// Measure 7's namespaces and connections per namespace (`--spread`).
     pub spread: Option<(usize, usize)>,
+    /// Measure 7's spread row alone (`--spread-only`).
+    pub spread_only: bool,
 }
 
 impl Ctx {
@@ -192,6 +200,7 @@ impl Ctx {
             dir,
             baseline,
             spread: args.spread,
+            spread_only: args.spread_only,
             ..Ctx::default()
         }
     }
@@ -316,9 +325,14 @@ fn prepare(
         probe_parts::build(&dir, builds, &args.variants)?;
     }
     let base = baseline::resolve(args, &dir)?;
-    if base.is_some() && !args.only.is_empty() && !args.only.contains(&3) && !args.only.contains(&7)
+    let probe_side = args.probe_parts && (args.only.is_empty() || args.only.contains(&1));
+    if base.is_some()
+        && !args.only.is_empty()
+        && !args.only.contains(&3)
+        && !args.only.contains(&7)
+        && !probe_side
     {
-        eprintln!("bench: warning: the baseline is only used by measures 3 and 6 (run with measure 3) and 7, not selected");
+        eprintln!("bench: warning: the baseline is only used by measures 3 and 6 (run with measure 3), 7, and 1 with --probe-parts, not selected");
     }
     Ok((dir, built, base))
 }

@@ -218,6 +218,9 @@ pub fn namespaces(ctx: &mut Ctx) -> Result<Vec<Row>> {
     if Command::new("nsenter").arg("-V").output().is_err() {
         bail!("`nsenter` (util-linux) not found");
     }
+    if ctx.spread_only {
+        return Ok(vec![one_namespace_row(ctx, &size)?]);
+    }
     let pop = Population::start(&size)?;
     let names = pop.names();
     let host = NsHandle::current()?;
@@ -371,7 +374,10 @@ fn observe(ctx: &Ctx, size: &Size, walk: &str, side: Option<&Baseline>) -> Resul
             "netns"
         },
         &format!("{}s", size.interval),
-        &format!("netns_walk_interval = \"{walk}\"\n"),
+        &format!(
+            "netns_walk_interval = \"{walk}\"\nmax_tracked_sockets = {}\n",
+            table_for(size.spaces * (2 * size.conns + 1))
+        ),
         side.as_ref(),
     )?;
     d.wait_scans(2.0, timeout)?;
@@ -384,6 +390,13 @@ fn observe(ctx: &Ctx, size: &Size, walk: &str, side: Option<&Baseline>) -> Resul
     drop(d);
     drop(ctl);
     Ok(o)
+}
+
+/// The daemon's state table for `sockets`: the default (262,144) or, for more than a third of
+/// that, the power of two ≥ 3 × sockets (16-way sets then rarely fill: a socket the table has
+/// no room for is carried from walks instead of swept fresh).
+fn table_for(sockets: usize) -> usize {
+    (3 * sockets).next_power_of_two().clamp(262_144, 4_194_304)
 }
 
 /// CPU per scan, mean scan time and the row's figures of an observation.
@@ -536,4 +549,17 @@ fn one_namespace_row(ctx: &Ctx, size: &Size) -> Result<Row> {
         ],
         diagnosis: vec![],
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::table_for;
+
+    #[test]
+    fn the_table_grows_only_past_a_third_of_the_default() {
+        assert_eq!(table_for(1_000), 262_144);
+        assert_eq!(table_for(87_381), 262_144);
+        assert_eq!(table_for(300 * 1001), 1_048_576);
+        assert_eq!(table_for(10_000_000), 4_194_304);
+    }
 }

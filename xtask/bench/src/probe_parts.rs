@@ -71,6 +71,10 @@ pub const VARIANTS: [(&str, &str); 9] = [
 ];
 const ROUNDS: usize = 3;
 
+/// `--variants baseline`: the `--baseline` binary's own tracker, measured like a variant (the
+/// shipped program of an older commit against this one's).
+pub const BASELINE: &str = "baseline";
+
 /// The variants (not "full") named in `only`, or all of them.
 fn selected(only: &[String]) -> Vec<(&'static str, &'static str)> {
     VARIANTS[1..]
@@ -80,10 +84,10 @@ fn selected(only: &[String]) -> Vec<(&'static str, &'static str)> {
         .collect()
 }
 
-/// Every name in `only` is a variant.
+/// Every name in `only` is a variant (or `baseline`).
 pub fn check_variants(only: &[String]) -> Result<()> {
     for o in only {
-        if !VARIANTS[1..].iter().any(|(v, _)| v == o) {
+        if o != BASELINE && !VARIANTS[1..].iter().any(|(v, _)| v == o) {
             let names: Vec<&str> = VARIANTS[1..].iter().map(|(v, _)| *v).collect();
             anyhow::bail!(
                 "--variants: no variant `{o}` (variants: {})",
@@ -94,7 +98,13 @@ pub fn check_variants(only: &[String]) -> Result<()> {
     Ok(())
 }
 
-fn bin_of(dir: &Path, variant: &str) -> PathBuf {
+fn bin_of(ctx: &Ctx, variant: &str) -> PathBuf {
+    let dir = &ctx.dir;
+    if variant == BASELINE {
+        if let Some(b) = &ctx.baseline {
+            return b.bin.clone();
+        }
+    }
     if variant == "full" {
         dir.join("connreap")
     } else {
@@ -140,7 +150,7 @@ pub fn build(dir: &Path, builds: &crate::Builds, only: &[String]) -> Result<()> 
             .env(VARIANT_ENV, v)
             .env("CARGO_TARGET_DIR", &target);
         crate::run_cmd(&mut agent)?;
-        let to = bin_of(dir, v);
+        let to = dir.join(format!("connreap-{v}"));
         let _ = std::fs::remove_file(&to);
         std::fs::copy(target.join("release/connreap"), &to)
             .with_context(|| format!("copy the {v} agent to {}", to.display()))?;
@@ -186,7 +196,7 @@ fn pair(
     for (i, v) in [first, second].into_iter().enumerate() {
         let (root, listen) = SIDES[i];
         let side = Side {
-            bin: bin_of(&ctx.dir, v),
+            bin: bin_of(ctx, v),
             listen,
             pin_root: Path::new(root),
         };
@@ -223,7 +233,16 @@ fn pair(
 /// (a third program on the tracepoint would take the first run's misses for both).
 pub fn measure(ctx: &Ctx, handles: (&NsHandle, &NsHandle)) -> Result<(Vec<String>, String)> {
     agent::connreap(&["unpin", "--force"])?;
-    let others = selected(&ctx.variants);
+    let mut others: Vec<(&str, String)> = selected(&ctx.variants)
+        .into_iter()
+        .map(|(v, what)| (v, what.to_string()))
+        .collect();
+    if let Some(b) = &ctx.baseline {
+        if ctx.variants.is_empty() || ctx.variants.iter().any(|v| v == BASELINE) {
+            let what = format!("the shipped program of {} (`--baseline`)", b.label);
+            others.push((BASELINE, what));
+        }
+    }
     // Per variant: the difference (variant − full) of each round, and the order effect.
     let mut diffs: Vec<Vec<f64>> = vec![Vec::new(); others.len()];
     let mut order: Vec<f64> = Vec::new();
@@ -262,6 +281,14 @@ pub fn measure(ctx: &Ctx, handles: (&NsHandle, &NsHandle)) -> Result<(Vec<String
             "| {v} | {what} | {} | {:+.0} ns | {:.0} ns |",
             each.join(", "),
             d[i],
+            full + d[i]
+        ));
+    }
+    if let Some(i) = others.iter().position(|(v, _)| *v == BASELINE) {
+        lines.push(format!(
+            "\nThis commit's tracker against the baseline's, side by side: {:.3}× ({full:.0} \
+             against ≈ {:.0} ns/run).",
+            full / (full + d[i]),
             full + d[i]
         ));
     }

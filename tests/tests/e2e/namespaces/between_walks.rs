@@ -134,6 +134,17 @@ fn sockets_between_walks_are_read_fresh_or_carried() {
 /// walk could read before; the sweep over the state table reads them on every scan, fresh.
 #[test]
 fn unheld_sockets_made_after_the_walk_are_read_by_the_sweep() {
+    unheld_sockets_read_by(None, "connreap_sweep_loop");
+}
+
+/// The same with the sweep's form for kernels without `bpf_loop` (5.12-5.16), forced here.
+#[test]
+fn unheld_sockets_made_after_the_walk_are_read_by_the_unrolled_sweep() {
+    unheld_sockets_read_by(Some("unrolled"), "connreap_sweep");
+}
+
+/// `form`: `CONNREAP_SWEEP_FORM`; `program`: the sweep program the agent must say it loaded.
+fn unheld_sockets_read_by(form: Option<&str>, program: &str) {
     let Some(_env) = require_privileges() else {
         return;
     };
@@ -143,8 +154,24 @@ fn unheld_sockets_made_after_the_walk_are_read_by_the_sweep() {
     let dir = TempDir::new("ns-sweep");
     let hook = host_receiver();
     let config = host_config(&dir, &hook).netns_walk_interval("1h");
-    let agent = Agent::start_in_host(&dir, &config);
+    // A pin root of its own: the sweep program is loaded (and its form logged) by this agent.
+    let pins = PinRoot::new(&format!("/sys/fs/bpf/connreap-test-sweep-{program}"));
+    let agent = Agent::start_in_host_with(&dir, &config, |cmd| {
+        cmd.env("CONNREAP_PIN_ROOT", &pins.0);
+        if let Some(f) = form {
+            cmd.env("CONNREAP_SWEEP_FORM", f);
+        }
+    });
     agent.wait_scans(3);
+    let loaded = format!("program={program} ");
+    assert!(
+        agent
+            .stderr()
+            .lines()
+            .any(|l| l.contains("sweep over the state table loaded") && l.contains(&loaded)),
+        "the agent never said it loaded {program}:\n{}",
+        agent.stderr()
+    );
     assert_eq!(walked(&agent), 1.0, "{}", agent.ctx());
 
     let addr: std::net::SocketAddr = format!("127.0.0.1:{BACKLOG_PORT}").parse().unwrap();
@@ -205,4 +232,20 @@ fn unheld_sockets_made_after_the_walk_are_read_by_the_sweep() {
             agent.ctx()
         )
     });
+}
+
+/// A pin root of a test's own, removed (its tracker detached) before and after.
+struct PinRoot(String);
+
+impl PinRoot {
+    fn new(path: &str) -> PinRoot {
+        let _ = std::fs::remove_dir_all(path);
+        PinRoot(path.to_string())
+    }
+}
+
+impl Drop for PinRoot {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
 }
