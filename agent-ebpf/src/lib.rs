@@ -248,6 +248,10 @@ pub struct StateEntry {
     pub dport: u16,
     pub state: u8,
     pub _pad: u8,
+    /// `net.ns.inum` of the socket's namespace (0: not read), so that the sweep can pass over
+    /// the sockets of a namespace it skips without reading them.
+    pub netns: u32,
+    pub _pad2: u32,
 }
 
 /// One set of the per-socket state table (`CONNREAP_STATE`, an array of [`STATE_SETS`] sets):
@@ -479,13 +483,13 @@ mod pod {
 }
 
 // Layouts are part of the kernel/user contract: catch accidental implicit padding.
-const _: () = assert!(core::mem::size_of::<StateEntry>() == 48);
+const _: () = assert!(core::mem::size_of::<StateEntry>() == 56);
 const _: () = assert!(core::mem::size_of::<TransitionEvent>() == 80);
 const _: () = assert!(core::mem::size_of::<SockRecord>() == 104);
 const _: () = assert!(core::mem::size_of::<EventBatch>() == 32 + 80 * EVENT_BATCH);
 const _: () = assert!(EVENT_BATCH.is_power_of_two());
 const _: () = assert!(STATE_WAYS.is_power_of_two());
-const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 48) * STATE_WAYS);
+const _: () = assert!(core::mem::size_of::<StateSet>() == (8 + 56) * STATE_WAYS);
 const _: () = assert!(core::mem::size_of::<OwnerRecord>() == 40);
 const _: () = assert!(core::mem::size_of::<HeldElsewhere>() == 40 + 104);
 const _: () = assert!(core::mem::size_of::<DestroyRequest>() == 16);

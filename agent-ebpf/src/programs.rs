@@ -345,6 +345,11 @@ fn seed(
         dport: u16::from_be(sk_field(skc, off!(skc_dport))),
         state,
         _pad: 0,
+        netns: {
+            let net: u64 = sk_field(skc, off!(skc_net));
+            read(net + off!(net_ns_inum))
+        },
+        _pad2: 0,
     };
     if !crate::state::put(sk, &entry) {
         full.flags |= sock_flags::UNTRACKED;

@@ -89,7 +89,8 @@ fn sweep_set(idx: u32, slot: u32, ask: &Ask) -> bool {
         let out = unsafe { &mut *out };
         out.sock.skaddr = 0;
         let (sk, entry) = state::way(set, way);
-        if sk != 0 {
+        // A socket of the skipped namespace costs only its record here.
+        if sk != 0 && (entry.netns == 0 || entry.netns != ask.skip_netns) {
             sweep_one(sk, &entry, ask, out);
         }
     }
@@ -186,13 +187,16 @@ impl Common {
 
 /// Fill `out` from the socket at `sk`, tracked as `entry`; left empty (skaddr 0) when the
 /// memory there is no longer a TCP socket the entry could describe, or when it is in the
-/// namespace the run skips (read first: the first cache line of the socket holds it).
+/// namespace the run skips (a record without the namespace: read first, from the socket's
+/// first cache line).
 #[inline(never)]
 fn sweep_one(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
     let now = ask.now;
     let c = Common(read(sk));
     let net: u64 = c.get(sk, off!(skc_net));
-    let netns: u32 = if net != 0 {
+    let netns: u32 = if entry.netns != 0 {
+        entry.netns
+    } else if net != 0 {
         read(net + off!(net_ns_inum))
     } else {
         0

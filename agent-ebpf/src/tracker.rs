@@ -92,6 +92,7 @@ fn try_set_state(ctx: &BtfTracePointContext) -> Result<(), i32> {
     };
     let t = Transition {
         now: now(),
+        netns: netns_of(sk),
         skaddr: sk as u64,
         saddr,
         daddr,
@@ -155,6 +156,7 @@ fn track(t: &Transition, batch: *mut EventBatch) {
 /// What the tracker read about one transition.
 struct Transition {
     now: u64,
+    netns: u32,
     /// The socket's address: to the verifier, still the tracepoint's trusted pointer (a cast
     /// is no instruction), so `fill` reads through it what only events carry.
     skaddr: u64,
@@ -180,6 +182,8 @@ impl Transition {
             dport: self.dport,
             state: self.newstate,
             _pad: 0,
+            netns: self.netns,
+            _pad2: 0,
         }
     }
 }
@@ -223,7 +227,7 @@ unsafe fn fill(ev: *mut TransitionEvent, t: &Transition) {
         (*ev).dport = t.dport;
         (*ev).oldstate = t.oldstate;
         (*ev).newstate = t.newstate;
-        (*ev).netns = netns_of(t.skaddr as *const u8);
+        (*ev).netns = t.netns;
         // The task on the CPU is the socket's user only for transitions out of CLOSE (connect,
         // listen): the others mostly run in softirq context, so they skip the helper calls.
         if t.oldstate == tcp_state::CLOSE {
@@ -239,8 +243,9 @@ unsafe fn fill(ev: *mut TransitionEvent, t: &Transition) {
     }
 }
 
-/// The inode of the socket's network namespace, `sk->__sk_common.skc_net.net->ns.inum`: read
-/// only for an event (the state table does not need it). Two direct loads, both checked by the
+/// The inode of the socket's network namespace, `sk->__sk_common.skc_net.net->ns.inum`, for
+/// the state table (the sweep passes over a namespace's records by it) and the events. Two
+/// direct loads, both checked by the
 /// verifier against the running kernel's types like the fields above: `skc_net` lies on the
 /// cache line of the addresses and ports already read, and the namespace's `struct net` is
 /// shared by all its sockets; 0 when the socket has no namespace pointer.

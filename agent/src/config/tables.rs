@@ -32,7 +32,7 @@ settings! {
         #[serde(with = "humantime_serde")]
         netns_walk_interval: Duration = secs(60), range(secs(0), secs(HOUR));
         /// Sockets the state tracker can follow at once, every namespace's together (rounded
-        /// up to a power of two; 56 bytes of kernel memory each, preallocated). A socket the
+        /// up to a power of two; 64 bytes of kernel memory each, preallocated). A socket the
         /// table has no room for gets no exact age and is read only when its namespace is
         /// walked (`connreap_bpf_map_full_total` counts them). Changing it restarts the
         /// tracker: the ages of the sockets open then become lower bounds.

@@ -4,7 +4,8 @@ use std::time::Duration;
 use anyhow::{Context as _, Result};
 
 use crate::{
-    agent::{self, Daemon},
+    agent::{self, Daemon, Side},
+    baseline::{self, Baseline},
     load,
     report::{median, ms, Row, Verdict},
     sys::{self, NetNs, NsHandle},
@@ -28,7 +29,99 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
     let tcp_sockets = crate::snapshot::ss_count(&h)?;
     let mut row = churn_row(&rounds, pairs, warm, tcp_sockets);
     explain_churn(ctx, &rounds, &mut row);
-    Ok(vec![row])
+    let mut rows = vec![row];
+    if let Some(b) = ctx.baseline.clone() {
+        rows.push(
+            against_baseline(ctx, &h, &b, pairs, interval).unwrap_or_else(|e| {
+                eprintln!("bench: measure 2 against the baseline failed: {e:#}");
+                Row::failed("2", &format!("churn vs baseline {}", b.label), &e)
+            }),
+        );
+    }
+    Ok(rows)
+}
+
+/// One round of churn with a daemon attached in `h` (the current one, or `side`'s), starting
+/// half an interval after its first scan so exactly one scan falls in it.
+fn attached_round(
+    ctx: &Ctx,
+    h: &NsHandle,
+    side: Option<&Side>,
+    tag: &str,
+    interval: f64,
+) -> Result<(load::Churn, agent::Window)> {
+    let round = Duration::from_secs_f64(interval);
+    let mut d = Daemon::start_as(h, &ctx.dir, tag, &format!("{interval}s"), "", side)?;
+    sys::sleep(round / 2)?;
+    let mut churn = None;
+    let w = d.window(1, |_| {
+        churn = Some(load::churn(h, WORKERS, round)?);
+        Ok(())
+    })?;
+    Ok((churn.context("the churn ran")?, w))
+}
+
+/// With `--baseline`: churn throughput with this agent attached ÷ with the baseline's agent
+/// attached, each alone (the other's tracker unpinned before every round), in alternated ABBA
+/// pairs of one scan interval: whether the tracker and daemon of this commit cost the churn
+/// more than the baseline's (issue 31: not worse than the shipped tracker).
+fn against_baseline(
+    ctx: &Ctx,
+    h: &NsHandle,
+    b: &Baseline,
+    pairs: usize,
+    interval: f64,
+) -> Result<Row> {
+    let side = Side {
+        bin: b.bin.clone(),
+        listen: baseline::BASE_LISTEN,
+        pin_root: std::path::Path::new(baseline::PIN_ROOT),
+    };
+    let (mut cur, mut base, mut log) = (Vec::new(), Vec::new(), Vec::new());
+    for i in 0..pairs {
+        let order = if i % 2 == 0 {
+            [false, true]
+        } else {
+            [true, false]
+        };
+        for is_base in order {
+            sys::check_interrupted()?;
+            agent::connreap(&["unpin", "--force"])?;
+            baseline::unpin(b);
+            let (c, _) = if is_base {
+                attached_round(ctx, h, Some(&side), "churn-baseline", interval)?
+            } else {
+                attached_round(ctx, h, None, "churn-current", interval)?
+            };
+            log.push(format!(
+                "{} {:.0}/s",
+                if is_base { &b.label } else { "current" },
+                c.rate()
+            ));
+            if is_base {
+                base.push(c.rate());
+            } else {
+                cur.push(c.rate());
+            }
+        }
+    }
+    agent::connreap(&["unpin", "--force"])?;
+    baseline::unpin(b);
+    let (mc, mb) = (median(&cur), median(&base));
+    let ratio = mc / mb;
+    let target = 1.0 / baseline::TARGET;
+    Ok(Row {
+        id: "2",
+        name: format!("churn with this agent attached vs with {} attached", b.label),
+        result: format!("{ratio:.3}"),
+        figures: format!(
+            "median {mc:.0} vs {mb:.0} conn/s ({pairs} ABBA pairs of {interval}s, {WORKERS} workers)"
+        ),
+        target: format!("≥ {target:.3}"),
+        verdict: Verdict::of(ratio >= target),
+        details: vec![format!("Rounds in order: {}.", log.join(", "))],
+        diagnosis: vec![],
+    })
 }
 
 /// The rounds of measure 2, and what the daemon did in the attached ones.
@@ -92,15 +185,7 @@ fn churn_rounds(ctx: &Ctx, h: &NsHandle, pairs: usize, interval: f64) -> Result<
         for attached in order {
             sys::check_interrupted()?;
             if attached {
-                let mut d = Daemon::start(h, &ctx.dir, "churn", &format!("{interval}s"), "")?;
-                // Start half an interval after a scan: exactly one scan falls in each round.
-                sys::sleep(round / 2)?;
-                let mut churn = None;
-                let w = d.window(1, |_| {
-                    churn = Some(load::churn(h, WORKERS, round)?);
-                    Ok(())
-                })?;
-                let c = churn.context("the churn ran")?;
+                let (c, w) = attached_round(ctx, h, None, "churn", interval)?;
                 r.cpu += w.cpu();
                 r.scans += w.scans();
                 r.scan_s += w.scan_seconds();

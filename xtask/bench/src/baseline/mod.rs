@@ -219,20 +219,26 @@ impl<'a> Pins<'a> {
     }
 
     fn remove(&self) {
-        let st = Command::new(&self.b.bin)
-            .arg("unpin")
-            .env("CONNREAP_PIN_ROOT", PIN_ROOT)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status();
-        if !st.is_ok_and(|s| s.success()) {
-            eprintln!("bench: warning: the baseline's `connreap unpin` failed");
-        }
-        let root = Path::new(PIN_ROOT);
-        if root.exists() {
-            if let Err(e) = std::fs::remove_dir_all(root) {
-                eprintln!("bench: warning: cannot remove {PIN_ROOT}: {e}");
-            }
+        unpin(self.b);
+    }
+}
+
+/// Detach the baseline's tracker: its own `connreap unpin`, then whatever is left of its root
+/// (only connreap's pins are there).
+pub fn unpin(b: &Baseline) {
+    let st = Command::new(&b.bin)
+        .arg("unpin")
+        .env("CONNREAP_PIN_ROOT", PIN_ROOT)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    if !st.is_ok_and(|s| s.success()) {
+        eprintln!("bench: warning: the baseline's `connreap unpin` failed");
+    }
+    let root = Path::new(PIN_ROOT);
+    if root.exists() {
+        if let Err(e) = std::fs::remove_dir_all(root) {
+            eprintln!("bench: warning: cannot remove {PIN_ROOT}: {e}");
         }
     }
 }
