@@ -64,7 +64,7 @@ pub enum SweepError {
     },
     #[error("the sweep program read nothing: the loader did not set the kernel offsets")]
     NoOffsets,
-    #[error("the sweep program says it read {0} sets from set {1} of {2}: not within one run ({MAX_SWEEP_SETS} at most) and the table")]
+    #[error("the sweep program says it read {0} sets from set {1} of {2}: a run reads 1 to {MAX_SWEEP_SETS} sets and never past the table's end")]
     BadCount(i64, u32, u32),
 }
 
