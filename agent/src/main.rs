@@ -7,6 +7,7 @@ mod daemon;
 mod detect;
 mod docs;
 mod engine;
+mod flock;
 mod kernel;
 mod kind;
 mod logging;

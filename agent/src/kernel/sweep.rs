@@ -24,6 +24,7 @@ use aya::{
 use connreap_ebpf::{names, SweepRecord, MAX_SWEEP_SETS, STATE_WAYS};
 
 use super::{error::program_error, Dump, Kernel, KernelError, Loaded};
+use crate::flock::Exclusive;
 
 /// Pin files of the program and its output array, in the pin directory.
 pub(super) const PROG_PIN: &str = "sweep";
@@ -127,7 +128,7 @@ impl Sweeper {
     ) -> Result<Dump, SweepError> {
         let start = Instant::now();
         let _lock =
-            DirLock::new(&self.dir).map_err(|e| SweepError::Lock(self.dir_name.clone(), e))?;
+            Exclusive::lock(&self.dir).map_err(|e| SweepError::Lock(self.dir_name.clone(), e))?;
         let mut dump = Dump::default();
         let mut in_kernel = Duration::ZERO;
         let mut first = 0;
@@ -171,26 +172,6 @@ impl Drop for Sweeper {
     fn drop(&mut self) {
         // SAFETY: the mapping made in `open`, unmapped once.
         unsafe { libc::munmap(self.out as *mut libc::c_void, self.len) };
-    }
-}
-
-/// An exclusive flock on a directory, released on drop.
-struct DirLock<'a>(&'a fs::File);
-
-impl<'a> DirLock<'a> {
-    fn new(dir: &'a fs::File) -> std::io::Result<Self> {
-        // SAFETY: flock on an fd we own.
-        if unsafe { libc::flock(dir.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(DirLock(dir))
-    }
-}
-
-impl Drop for DirLock<'_> {
-    fn drop(&mut self) {
-        // SAFETY: unlock the flock taken in `new`.
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
     }
 }
 

@@ -8,7 +8,6 @@ use std::{
     collections::HashMap,
     fs::{self, OpenOptions},
     io::{BufReader, Seek, Write},
-    os::fd::AsRawFd,
     path::PathBuf,
 };
 
@@ -16,6 +15,7 @@ use super::{
     audit_repair::{self, Intents},
     Decision, Outcome,
 };
+use crate::flock::Exclusive;
 
 /// A socket as audit lines name it: local and peer address, inode.
 type SocketId = (String, String, u64);
@@ -90,7 +90,7 @@ impl AuditLog {
             }
             Err(e) => return Err(self.error(e)),
         };
-        let _locked = Flock::exclusive(&f).map_err(|e| self.error(e))?;
+        let _locked = Exclusive::lock(&f).map_err(|e| self.error(e))?;
         let mut intents = Intents::default();
         let rotated = PathBuf::from(format!("{}.1", self.path.display()));
         if let Ok(old) = fs::File::open(&rotated) {
@@ -163,7 +163,7 @@ impl AuditLog {
         self.rotate_for(buf.len() as u64)
             .map_err(|e| self.error(e))?;
         let f = self.open().map_err(|e| self.error(e))?;
-        let _locked = Flock::exclusive(&f).map_err(|e| self.error(e))?;
+        let _locked = Exclusive::lock(&f).map_err(|e| self.error(e))?;
         self.write_locked(&f, &buf, durable)
     }
 
@@ -270,27 +270,6 @@ fn lines<T: serde::Serialize>(items: &[T]) -> std::io::Result<Vec<u8>> {
         buf.push(b'\n');
     }
     Ok(buf)
-}
-
-/// An exclusive flock on the audit file, held while writing or repairing it (released on
-/// drop): a write truncated back or a tail cut off never takes another appender's line.
-struct Flock<'a>(&'a fs::File);
-
-impl<'a> Flock<'a> {
-    fn exclusive(f: &'a fs::File) -> std::io::Result<Flock<'a>> {
-        // SAFETY: flock on an fd that `f` owns and that outlives the guard.
-        if unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX) } != 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        Ok(Flock(f))
-    }
-}
-
-impl Drop for Flock<'_> {
-    fn drop(&mut self) {
-        // SAFETY: flock on an fd that the borrowed file owns.
-        unsafe { libc::flock(self.0.as_raw_fd(), libc::LOCK_UN) };
-    }
 }
 
 #[cfg(test)]

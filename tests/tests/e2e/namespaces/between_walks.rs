@@ -18,18 +18,23 @@ use super::{host_config, host_receiver, wait_close_wait_alert, Pod, LEAKED, PORT
 
 /// Rows of `GET /v1/sockets?netns=NAME&state=STATE` on [`PORT`] (either end).
 fn rows(agent: &Agent, pod: &Pod, state: &str) -> Vec<Value> {
+    rows_on(agent, pod, state, PORT, &["local", "peer"])
+}
+
+/// Rows of `GET /v1/sockets?netns=NAME&state=STATE` whose address at one of `ends` ("local",
+/// "peer") has port `port`.
+fn rows_on(agent: &Agent, pod: &Pod, state: &str, port: u16, ends: &[&str]) -> Vec<Value> {
     let (code, body) = agent.get(&format!("/v1/sockets?netns={}&state={state}", pod.name()));
     assert_eq!(code, 200, "GET /v1/sockets: {body}");
+    let suffix = format!(":{port}");
     body["sockets"]
         .as_array()
         .cloned()
         .unwrap_or_default()
         .into_iter()
         .filter(|s| {
-            ["local", "peer"].iter().any(|k| {
-                s[k].as_str()
-                    .is_some_and(|a| a.ends_with(&format!(":{PORT}")))
-            })
+            ends.iter()
+                .any(|k| s[k].as_str().is_some_and(|a| a.ends_with(&suffix)))
         })
         .collect()
 }
@@ -184,24 +189,7 @@ fn unheld_sockets_read_by(form: Option<&str>, program: &str) {
         })
         .collect();
     // The server ends wait in the accept queue: ESTABLISHED, local port BACKLOG_PORT, no owner.
-    let queued = |agent: &Agent| -> Vec<Value> {
-        let (code, body) = agent.get(&format!(
-            "/v1/sockets?netns={}&state=ESTABLISHED",
-            pod.name()
-        ));
-        assert_eq!(code, 200, "GET /v1/sockets: {body}");
-        body["sockets"]
-            .as_array()
-            .cloned()
-            .unwrap_or_default()
-            .into_iter()
-            .filter(|s| {
-                s["local"]
-                    .as_str()
-                    .is_some_and(|a| a.ends_with(&format!(":{BACKLOG_PORT}")))
-            })
-            .collect()
-    };
+    let queued = |agent: &Agent| rows_on(agent, &pod, "ESTABLISHED", BACKLOG_PORT, &["local"]);
     let rows = wait_until(Duration::from_secs(20), POLL, || {
         let r = queued(&agent);
         (r.len() == QUEUED).then_some(r)
