@@ -19,6 +19,13 @@ pub(super) fn snapshot_cmd(h: &NsHandle) -> Command {
     c
 }
 
+/// [`snapshot_cmd`] in the default output, the table a person reads.
+pub(super) fn snapshot_table_cmd(h: &NsHandle) -> Command {
+    let mut c = h.command(agent::bin());
+    c.args(["snapshot", "--netns", "host"]);
+    c
+}
+
 /// Where one snapshot's scan spends its time, from its `connreap::scan` debug line (medians of
 /// `runs`): the iterators' time in the kernel, their total (plus decoding), and the merge.
 #[derive(Debug, Default, Clone, Copy, PartialEq)]

@@ -11,13 +11,15 @@ use crate::{
     proc::{self, Timed},
     profile,
     report::{ms, Row, Verdict},
-    scan_split::{snapshot_cmd, ScanSplit},
+    scan_split::{snapshot_cmd, snapshot_table_cmd, ScanSplit},
     sys::{NetNs, NsHandle},
     Ctx,
 };
 
 const VS_SSP: f64 = 0.1;
 const VS_SS: f64 = 1.5;
+/// The snapshot's default output (the table a person runs it for) against `ss -tan` (issue 31).
+const TABLE_VS_SS: f64 = 0.8;
 
 /// Sockets and owner-attributed sockets in one `connreap snapshot --json`, and how many have
 /// an exact age (the tracker saw them being created).
@@ -155,8 +157,9 @@ struct SnapshotRun {
     /// Open files host-wide (what iter/task_file and `ss -p` walk).
     files: usize,
     runs: usize,
-    /// Medians of `connreap snapshot --json`, `ss -tanp`, `ss -tan`.
+    /// Medians of `connreap snapshot --json`, its default (table) output, `ss -tanp`, `ss -tan`.
     snap: Timed,
+    table: Timed,
     ssp: Timed,
     ss: Timed,
     split: ScanSplit,
@@ -169,13 +172,20 @@ impl SnapshotRun {
         let (seen, owned, exact) = verify_snapshot(h)?;
         let ss_seen = ss_count(h)?;
         let timeout = Duration::from_secs(120);
-        let (mut snap, mut ssp, mut ss) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut snap, mut table, mut ssp, mut ss) =
+            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for _ in 0..runs {
             snap.push(proc::timed(&mut snapshot_cmd(h), timeout)?);
+            table.push(proc::timed(&mut snapshot_table_cmd(h), timeout)?);
             ssp.push(proc::timed(h.command("ss").arg("-tanp"), timeout)?);
             ss.push(proc::timed(h.command("ss").arg("-tan"), timeout)?);
         }
-        let (snap, ssp, ss) = (Timed::median(snap), Timed::median(ssp), Timed::median(ss));
+        let (snap, table, ssp, ss) = (
+            Timed::median(snap),
+            Timed::median(table),
+            Timed::median(ssp),
+            Timed::median(ss),
+        );
         let split = ScanSplit::measure(h, runs)?;
         Ok(SnapshotRun {
             seen,
@@ -185,6 +195,7 @@ impl SnapshotRun {
             files: host_open_files(),
             runs,
             snap,
+            table,
             ssp,
             ss,
             split,
@@ -248,10 +259,14 @@ fn snapshot_table(run: &SnapshotRun, held: usize) -> Vec<String> {
         ),
         format!(
             "\n| command | wall | user | sys |\n|---|---|---|---|\n| `connreap snapshot --json` | {} | {} | {} |\n\
+             | `connreap snapshot` (table) | {} | {} | {} |\n\
              | `ss -tanp` | {} | {} | {} |\n| `ss -tan` | {} | {} | {} |",
             ms(snap.wall),
             ms(snap.user),
             ms(snap.sys),
+            ms(run.table.wall),
+            ms(run.table.user),
+            ms(run.table.sys),
             ms(ssp.wall),
             ms(ssp.user),
             ms(ssp.sys),
@@ -383,7 +398,34 @@ fn ratio_rows(
     if a.verdict == Verdict::Miss && b.verdict == Verdict::Miss {
         b.diagnosis = vec!["Same runs and causes as the row above.".into()];
     }
-    vec![a, b]
+    let r_table = run.table.wall.as_secs_f64() / ss.wall.as_secs_f64().max(1e-9);
+    let c = Row {
+        id: "3",
+        name: format!(
+            "snapshot @ {} sockets ({tag}), table output, vs ss -tan",
+            run.seen
+        ),
+        result: format!("{r_table:.3}×"),
+        figures: format!(
+            "`connreap snapshot --netns host` {}; ss -tan {} (same rounds)",
+            run.table.show(),
+            ss.show()
+        ),
+        target: format!("≤ {TABLE_VS_SS}×"),
+        verdict: Verdict::of(r_table <= TABLE_VS_SS),
+        details: vec![],
+        diagnosis: if r_table <= TABLE_VS_SS {
+            vec![]
+        } else {
+            vec![format!(
+                "The table output takes {:.2}× the JSON of the same sockets ({} vs {}).",
+                run.table.wall.as_secs_f64() / snap.wall.as_secs_f64().max(1e-9),
+                ms(run.table.wall),
+                ms(snap.wall)
+            )]
+        },
+    };
+    vec![a, b, c]
 }
 
 /// Kept for the report: `ss` version string.
