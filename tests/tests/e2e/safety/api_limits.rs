@@ -143,6 +143,25 @@ fn connect_many(ns: &NetNs, agent: &Agent, n: usize) -> Vec<TcpStream> {
     .unwrap_or_else(|e| panic!("connect to the API: {e}"))
 }
 
+/// Connections in `ns` whose local port is `port` and whose local end is still open: the
+/// agent still serves them, so they hold a slot. From /proc/net/tcp: the local address's port
+/// in hex; states 01 ESTABLISHED, 03 SYN_RECV, 08 CLOSE_WAIT (a TIME_WAIT or FIN_WAIT end was
+/// closed by the agent: its slot is free).
+fn api_connections(ns: &NetNs, port: u16) -> usize {
+    let tcp = run_in_netns(ns.name(), || {
+        std::fs::read_to_string("/proc/thread-self/net/tcp")
+    })
+    .unwrap_or_else(|e| panic!("/proc/net/tcp in {}: {e}", ns.name()));
+    let local = format!(":{port:04X}");
+    tcp.lines()
+        .skip(1)
+        .filter(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            f.len() > 3 && f[1].ends_with(&local) && ["01", "03", "08"].contains(&f[3])
+        })
+        .count()
+}
+
 fn open_fds(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
         .map(|d| d.count())
@@ -180,6 +199,19 @@ fn api_connection_flood_is_capped_and_timed_out_while_scans_go_on() {
         "the agent has {own} descriptors open: NOFILE {NOFILE} no longer tells capped from not"
     );
     let scans = agent.scans();
+    // The harness's own requests (/healthz, /metrics) hold a slot until the agent has seen them
+    // closed: wait until no connection to the API is left, or one of the held ones below could
+    // be refused and its slot go to the flood once that request's slot frees.
+    let port = agent.api().port();
+    wait_until(Duration::from_secs(10), POLL, || {
+        (api_connections(&ns, port) == 0).then_some(())
+    })
+    .unwrap_or_else(|| {
+        panic!(
+            "{} connections to the API left after the harness's requests",
+            api_connections(&ns, port)
+        )
+    });
     let t0 = Instant::now();
 
     // Every slot taken: a third of them with a request line and no end of headers.
