@@ -41,6 +41,13 @@ pub fn churn_overhead(ctx: &mut Ctx) -> Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// Pair `i` of an ABBA sequence: (false, true), then (true, false), and so on, so neither
+/// condition always runs first.
+fn abba(i: usize) -> [bool; 2] {
+    let second_first = i % 2 == 1;
+    [second_first, !second_first]
+}
+
 /// One round of churn with a daemon attached in `h` (the current one, or `side`'s), starting
 /// half an interval after its first scan so exactly one scan falls in it.
 fn attached_round(
@@ -79,11 +86,7 @@ fn against_baseline(
     };
     let (mut cur, mut base, mut log) = (Vec::new(), Vec::new(), Vec::new());
     for i in 0..pairs {
-        let order = if i % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        };
+        let order = abba(i);
         for is_base in order {
             sys::check_interrupted()?;
             agent::connreap(&["unpin", "--force"])?;
@@ -177,11 +180,7 @@ fn churn_rounds(ctx: &Ctx, h: &NsHandle, pairs: usize, interval: f64) -> Result<
         log: Vec::new(),
     };
     for i in 0..pairs {
-        let order = if i % 2 == 0 {
-            [false, true]
-        } else {
-            [true, false]
-        };
+        let order = abba(i);
         for attached in order {
             sys::check_interrupted()?;
             if attached {
