@@ -119,10 +119,18 @@ struct Pending {
     seen: Instant,
 }
 
-/// The attempts in flight, by socket address.
+/// An attempt in flight: its socket's address and its remote end. The remote end is in the
+/// key because a socket's memory is reused at once: a refused connect freed on one CPU and
+/// the next connect, to another node, in the same memory on another may reach the reader in
+/// the other order (each CPU's batch is sent on its own), and the first one's end must not
+/// end the second attempt. The local port is not in it: `connect` picks it after the
+/// transition to SYN_SENT.
+type AttemptKey = (u64, SocketAddr);
+
+/// The attempts in flight, by [`AttemptKey`].
 #[derive(Debug)]
 pub struct Outcomes {
-    pending: FxHashMap<u64, Pending>,
+    pending: FxHashMap<AttemptKey, Pending>,
     hz: u64,
     /// The short lifetime, in jiffies (at least one).
     short_j: u64,
@@ -156,7 +164,8 @@ impl Outcomes {
             if ev.pid == 0 || self.pending.len() >= MAX_PENDING {
                 return;
             }
-            let target = (ev.pid, ev.comm, ev.netns, remote(ev));
+            let peer = remote(ev);
+            let target = (ev.pid, ev.comm, ev.netns, peer);
             let p = Pending {
                 target,
                 connect_j: ev.ts_jiffies,
@@ -164,10 +173,11 @@ impl Outcomes {
                 peer_fin_life_j: None,
                 seen: now,
             };
-            self.pending.insert(ev.skaddr, p);
+            self.pending.insert((ev.skaddr, peer), p);
             return;
         }
-        let Some(p) = self.pending.get_mut(&ev.skaddr) else {
+        let key = (ev.skaddr, remote(ev));
+        let Some(p) = self.pending.get_mut(&key) else {
             return;
         };
         let mut life_j = None;
@@ -208,7 +218,7 @@ impl Outcomes {
             }
             _ => return,
         };
-        let Some(p) = self.pending.remove(&ev.skaddr) else {
+        let Some(p) = self.pending.remove(&key) else {
             return;
         };
         self.record(p, outcome, life_j.map(|j| self.ms(j)), out);
@@ -387,6 +397,23 @@ mod tests {
         let mut t = Tally::default();
         o.settle(Instant::now() + Duration::from_secs(2), &mut t);
         assert_eq!((of(&t, 1).get(Outcome::Success), o.in_flight()), (1, 0));
+    }
+
+    #[test]
+    fn a_reused_socket_whose_old_end_arrives_late_keeps_each_attempt_apart() {
+        // A connect to the refusing node 3 is refused on one CPU; its socket's memory is
+        // reused at once for a connect to healthy node 1 on another CPU, whose batch reaches
+        // the reader first.
+        let (t, o) = run(&[
+            ev(1, CLOSE, SYN_SENT, 0, 3),
+            ev(1, CLOSE, SYN_SENT, 2, 1),
+            ev(1, SYN_SENT, CLOSE, 1, 3),
+            ev(1, SYN_SENT, ESTABLISHED, 3, 1),
+            ev(1, ESTABLISHED, FIN_WAIT1, 5, 1),
+        ]);
+        assert_eq!((of(&t, 3).get(Outcome::Refused), of(&t, 3).total()), (1, 1));
+        assert_eq!((of(&t, 1).get(Outcome::Success), of(&t, 1).total()), (1, 1));
+        assert_eq!(o.in_flight(), 0);
     }
 
     #[test]
