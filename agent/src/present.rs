@@ -7,13 +7,40 @@ use chrono::{DateTime, SecondsFormat, Utc};
 
 /// Compact human duration: 850ms, 42s, 3m12s, 2h05m, 3d04h.
 pub fn human(d: Duration) -> String {
+    let mut out = Vec::with_capacity(8);
+    push_human(&mut out, d);
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// [`human`] appended to `out`, without core::fmt (a table at 100k sockets has two per row).
+pub fn push_human(out: &mut Vec<u8>, d: Duration) {
+    fn num(out: &mut Vec<u8>, n: u64, unit: u8) {
+        out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
+        out.push(unit);
+    }
+    /// The second figure: two digits.
+    fn two(out: &mut Vec<u8>, n: u64, unit: u8) {
+        out.extend_from_slice(&[b'0' + (n / 10 % 10) as u8, b'0' + (n % 10) as u8, unit]);
+    }
     let s = d.as_secs();
     match s {
-        0 => format!("{}ms", d.subsec_millis()),
-        1..=59 => format!("{s}s"),
-        60..=3599 => format!("{}m{:02}s", s / 60, s % 60),
-        3600..=86399 => format!("{}h{:02}m", s / 3600, (s % 3600) / 60),
-        _ => format!("{}d{:02}h", s / 86400, (s % 86400) / 3600),
+        0 => {
+            num(out, u64::from(d.subsec_millis()), b'm');
+            out.push(b's');
+        }
+        1..=59 => num(out, s, b's'),
+        60..=3599 => {
+            num(out, s / 60, b'm');
+            two(out, s % 60, b's');
+        }
+        3600..=86399 => {
+            num(out, s / 3600, b'h');
+            two(out, (s % 3600) / 60, b'm');
+        }
+        _ => {
+            num(out, s / 86400, b'd');
+            two(out, (s % 86400) / 3600, b'h');
+        }
     }
 }
 
@@ -77,6 +104,10 @@ mod tests {
         assert_eq!(human(Duration::from_secs(192)), "3m12s");
         assert_eq!(human(Duration::from_secs(7500)), "2h05m");
         assert_eq!(human(Duration::from_secs(3 * 86400 + 4 * 3600)), "3d04h");
+        assert_eq!(human(Duration::from_millis(7)), "7ms");
+        assert_eq!(human(Duration::from_secs(60)), "1m00s");
+        assert_eq!(human(Duration::from_secs(86399)), "23h59m");
+        assert_eq!(human(Duration::from_secs(400 * 86400 + 3600)), "400d01h");
     }
 
     #[test]

@@ -30,21 +30,17 @@ pub(super) fn snapshot(
         None
     };
     let written = (|| -> std::io::Result<()> {
-        let mut out = stdout_file()?;
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let mut w = std::io::BufWriter::with_capacity(1 << 16, stdout_file()?);
         match &counters {
+            // Compact, streamed in rounds: no intermediate JSON tree for 100k sockets.
             Some(counters) => {
-                let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-                // Compact, streamed in rounds: no intermediate JSON tree for 100k sockets.
-                let mut w = std::io::BufWriter::with_capacity(1 << 16, out);
                 snapshot::write_snapshot_json(&mut w, &selected, &groups, counters, threads)?;
                 std::io::Write::write_all(&mut w, b"\n")?;
-                std::io::Write::flush(&mut w)
             }
-            None => {
-                let text = snapshot::render_table(&selected, &groups);
-                std::io::Write::write_all(&mut out, text.as_bytes())
-            }
+            None => snapshot::write_table(&mut w, &selected, &groups, threads)?,
         }
+        std::io::Write::flush(&mut w)
     })();
     // A reader that stopped early (`connreap snapshot | head`) is told apart by `main`.
     written.context("writing the snapshot to standard output")?;

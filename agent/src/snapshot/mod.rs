@@ -1,16 +1,18 @@
 //! Filters, grouping and rendering of the socket table (`connreap snapshot`, `GET /v1/sockets`).
 mod filter;
 mod row;
+mod table;
 
-use std::{fmt::Write as _, time::Duration};
+use std::time::Duration;
 
 use rustc_hash::{FxHashMap, FxHashSet};
 use serde::Serialize;
 
 pub use filter::{Filter, FilterArgs, FilterError};
+pub use table::write_table;
 
 use crate::{
-    present::{self, human},
+    present,
     table::{Socket, TcpState},
 };
 
@@ -228,14 +230,6 @@ pub fn write_snapshot_json<W: std::io::Write, C: Serialize + Sync>(
     w.write_all(b"}").map_err(io)
 }
 
-fn age_str(s: &Socket) -> String {
-    if s.age_exact {
-        human(s.age)
-    } else {
-        format!("≥{}", human(s.age))
-    }
-}
-
 /// A pod as `namespace/name`, when its name is known.
 fn pod_of(c: &crate::containers::Container) -> Option<String> {
     Some(format!(
@@ -252,26 +246,6 @@ fn container_cell(c: &crate::containers::Container) -> String {
         let name = c.name.as_deref().unwrap_or_else(|| c.short_id());
         format!("{}:{name}", c.runtime.as_str())
     })
-}
-
-/// Longest UNIT cell: a cgroup path outside any unit is cut to its last component and this.
-const UNIT_WIDTH: usize = 32;
-
-/// The UNIT cell: only for processes outside containers (a container's cgroup says nothing
-/// more than its POD/CONTAINER cell), the last path component, at most [`UNIT_WIDTH`].
-fn unit_cell(s: &Socket) -> String {
-    if s.container().is_some() {
-        return "-".into();
-    }
-    let Some(unit) = s.unit() else {
-        return "-".into();
-    };
-    let last = unit.rsplit('/').find(|c| !c.is_empty()).unwrap_or(&unit);
-    if last.chars().count() <= UNIT_WIDTH {
-        return last.to_string();
-    }
-    let head: String = last.chars().take(UNIT_WIDTH - 1).collect();
-    format!("{head}…")
 }
 
 /// A value a process, cgroup or runtime file controls, as a person's terminal may show it:
@@ -291,88 +265,9 @@ pub fn printable(s: &str) -> String {
         .collect()
 }
 
-pub fn render_table(socks: &[&Socket], groups: &[Group]) -> String {
-    let mut rows: Vec<[String; 12]> = vec![[
-        "NETNS".into(),
-        "POD/CONTAINER".into(),
-        "PID".into(),
-        "COMM".into(),
-        "UNIT".into(),
-        "LOCAL".into(),
-        "PEER".into(),
-        "STATE".into(),
-        "AGE".into(),
-        "IDLE".into(),
-        "RECV-Q".into(),
-        "SEND-Q".into(),
-    ]];
-    for s in socks {
-        rows.push([
-            printable(&s.netns.label()),
-            s.container()
-                .map(|c| printable(&container_cell(c)))
-                .unwrap_or_else(|| "-".into()),
-            s.pid().map(|p| p.to_string()).unwrap_or_else(|| "-".into()),
-            printable(s.comm()),
-            printable(&unit_cell(s)),
-            s.local.to_string(),
-            s.peer.to_string(),
-            s.state.to_string(),
-            age_str(s),
-            s.idle.map(human).unwrap_or_else(|| "-".into()),
-            s.rx_queue.to_string(),
-            s.tx_queue.to_string(),
-        ]);
-    }
-    let mut widths = [0usize; 12];
-    for r in &rows {
-        for (w, c) in widths.iter_mut().zip(r) {
-            *w = (*w).max(c.chars().count());
-        }
-    }
-    let mut out = String::new();
-    for r in &rows {
-        let line: Vec<String> = r
-            .iter()
-            .zip(widths)
-            .map(|(c, w)| format!("{c}{}", " ".repeat(w - c.chars().count())))
-            .collect();
-        let _ = writeln!(out, "{}", line.join("  ").trim_end());
-    }
-    let _ = writeln!(
-        out,
-        "\n{} sockets. By owner, service port and state:",
-        socks.len()
-    );
-    for g in groups {
-        let _ = writeln!(
-            out,
-            "{:>6}  {} (pid {}{}{}) port {} {}, oldest {}{}",
-            g.count,
-            printable(&g.comm),
-            g.pid.map(|p| p.to_string()).unwrap_or_else(|| "?".into()),
-            match (&g.place, &g.unit) {
-                (Some(place), _) => format!(", {}", printable(place)),
-                (None, Some(u)) => format!(", {}", printable(u.rsplit('/').next().unwrap_or(u))),
-                (None, None) => String::new(),
-            },
-            if g.netns == "host" {
-                String::new()
-            } else {
-                format!(", netns {}", printable(&g.netns))
-            },
-            g.service_port,
-            g.state,
-            if g.oldest_age_exact { "" } else { "≥" },
-            human(g.oldest_age_secs),
-        );
-    }
-    out
-}
-
 #[cfg(test)]
 pub(crate) mod tests {
-    use super::*;
+    use super::{table::render_table, *};
     use crate::table::{Direction, Owner};
     use std::sync::Arc;
 
