@@ -19,7 +19,9 @@ pub(super) fn snapshot(
     let table = scanner.scan_parallel()?;
     let scanned = t0.elapsed();
     let mut selected: Vec<&table::Socket> = table.iter().filter(|s| filter.matches(s)).collect();
+    let filtered = t0.elapsed();
     snapshot::sort_for_display(&mut selected);
+    let sorted = t0.elapsed();
     let groups = snapshot::summarize(
         &selected,
         filter.idle_min.unwrap_or(Duration::from_secs(30)),
@@ -29,6 +31,7 @@ pub(super) fn snapshot(
     } else {
         None
     };
+    let summarized = t0.elapsed();
     let written = (|| -> std::io::Result<()> {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         let mut w = std::io::BufWriter::with_capacity(1 << 16, stdout_file()?);
@@ -50,6 +53,10 @@ pub(super) fn snapshot(
         load_us = loaded.as_micros() as u64,
         scan_us = (scanned - loaded).as_micros() as u64,
         output_us = (t0.elapsed() - scanned).as_micros() as u64,
+        filter_us = (filtered - scanned).as_micros() as u64,
+        sort_us = (sorted - filtered).as_micros() as u64,
+        summary_us = (summarized - sorted).as_micros() as u64,
+        write_us = (t0.elapsed() - summarized).as_micros() as u64,
         "snapshot"
     );
     // The process ends here: freeing 100k rows one by one would only delay the exit.

@@ -45,24 +45,34 @@ pub struct Group {
 /// Group sockets, largest group first.
 pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
     let mut groups: FxHashMap<(u32, Option<u32>, u16, TcpState), Group> = FxHashMap::default();
+    // The group of the previous socket: in display order most sockets are in the same one.
+    let mut last: Option<((u32, Option<u32>, u16, TcpState), Group)> = None;
     for s in socks {
-        let g = groups
-            .entry((s.netns.inode, s.pid(), s.service_port, s.state))
-            .or_insert_with(|| Group {
-                netns: s.netns.label(),
-                pid: s.pid(),
-                comm: s.comm().to_string(),
-                unit: s.unit(),
-                container: s.container_id().map(String::from),
-                pod: s.container().and_then(pod_of),
-                place: s.container().map(container_cell),
-                service_port: s.service_port,
-                state: s.state,
-                count: 0,
-                oldest_age_secs: Duration::ZERO,
-                oldest_age_exact: true,
-                idle_count: 0,
-            });
+        let key = (s.netns.inode, s.pid(), s.service_port, s.state);
+        let g = match &mut last {
+            Some((k, g)) if *k == key => g,
+            _ => {
+                if let Some((k, g)) = last.take() {
+                    groups.insert(k, g);
+                }
+                let g = groups.remove(&key).unwrap_or_else(|| Group {
+                    netns: s.netns.label(),
+                    pid: s.pid(),
+                    comm: s.comm().to_string(),
+                    unit: s.unit(),
+                    container: s.container_id().map(String::from),
+                    pod: s.container().and_then(pod_of),
+                    place: s.container().map(container_cell),
+                    service_port: s.service_port,
+                    state: s.state,
+                    count: 0,
+                    oldest_age_secs: Duration::ZERO,
+                    oldest_age_exact: true,
+                    idle_count: 0,
+                });
+                &mut last.insert((key, g)).1
+            }
+        };
         g.count += 1;
         if s.age >= g.oldest_age_secs {
             g.oldest_age_secs = s.age;
@@ -71,6 +81,9 @@ pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
         if s.idle.is_some_and(|i| i >= idle_threshold) {
             g.idle_count += 1;
         }
+    }
+    if let Some((k, g)) = last {
+        groups.insert(k, g);
     }
     let mut v: Vec<Group> = groups.into_values().collect();
     v.sort_by(|a, b| {
@@ -109,13 +122,16 @@ pub fn sort_for_display(socks: &mut [&Socket]) {
         }
         rank.insert(o.2, r);
     }
+    // One integer per socket: rank, port, state (declared in `Ord` order), then the age
+    // reversed, in nanoseconds (584 years fit). Comparing it is a fraction of comparing the
+    // tuple, which at 100k sockets was most of the sort.
     socks.sort_by_cached_key(|s| {
-        (
-            rank.get(&id(s)).copied().unwrap_or(0),
-            s.service_port,
-            s.state,
-            std::cmp::Reverse(s.age),
-        )
+        let rank = rank.get(&id(s)).copied().unwrap_or(0) as u128;
+        let age = u64::try_from(s.age.as_nanos()).unwrap_or(u64::MAX);
+        (rank << 96)
+            | (u128::from(s.service_port) << 80)
+            | (u128::from(s.state as u8) << 64)
+            | u128::from(u64::MAX - age)
     });
 }
 
@@ -395,10 +411,20 @@ pub(crate) mod tests {
     #[test]
     fn display_order_matches_the_plain_comparison() {
         let mut all = Vec::new();
-        for i in 0..60u64 {
+        for i in 0..200u64 {
             let (pid, comm) = [(10, "java"), (20, "node"), (5, "node"), (7, "?x")][i as usize % 4];
-            let st = [TcpState::CloseWait, TcpState::Established][(i / 4) as usize % 2];
+            let st = [
+                TcpState::CloseWait,
+                TcpState::Established,
+                TcpState::NewSynRecv,
+                TcpState::Listen,
+                TcpState::SynSent,
+            ][(i / 4) as usize % 5];
             let mut s = sock(pid, comm, st, 80 + (i % 3) as u16, i % 7, 0);
+            s.age += Duration::from_nanos(i * 7919 % 1000);
+            if i % 13 == 0 {
+                s.age = Duration::MAX;
+            }
             s.inode = i;
             if i % 11 == 0 {
                 s.owner = None;
