@@ -1,9 +1,6 @@
 //! Reading a BPF iterator's output: records written by `bpf_seq_write`, decoded as they are
-//! read through a small reused buffer (a dump is never held in memory as bytes).
-use std::{
-    io::Read as _,
-    time::{Duration, Instant},
-};
+//! read through a few small reused buffers (a dump is never held in memory as bytes).
+use std::time::{Duration, Instant};
 
 use aya::programs::Iter;
 use connreap_ebpf::{HeldElsewhere, OwnerRecord};
@@ -21,35 +18,132 @@ pub struct Dump {
     pub total: Duration,
 }
 
+/// Bytes asked for per read (the kernel returns at most its seq buffer, 32 KiB, per read).
+const CHUNK: usize = 64 * 1024;
+/// A first read of at least this much means a big dump: the rest of it is read on a second
+/// thread while this one decodes (see [`pipelined`]). Smaller ones, most namespaces' dumps,
+/// are read and decoded on this thread alone.
+const BIG: usize = 16 * 1024;
+/// Buffers in flight between the reading thread and the decoding one.
+const BUFFERS: usize = 4;
+
 /// Run `it` and hand the bytes read so far to `decode`, which returns how many of them it
 /// consumed (whole records) and how many records those were; the rest is kept for the next
 /// read.
-fn run(it: &mut Iter, mut decode: impl FnMut(&[u8]) -> (usize, usize)) -> Result<Dump, IterError> {
+fn run(it: &mut Iter, decode: impl FnMut(&[u8]) -> (usize, usize)) -> Result<Dump, IterError> {
     let start = Instant::now();
     let id = it.attach()?;
     let link = it.take_link(id)?;
-    let mut file = link.into_file()?;
-    let mut buf = vec![0u8; 64 * 1024];
-    let mut filled = 0;
-    let mut dump = Dump::default();
-    loop {
-        let t = Instant::now();
-        let read = file.read(&mut buf[filled..]);
-        dump.in_kernel += t.elapsed();
-        let n = match read {
-            Ok(0) => break,
-            Ok(n) => n,
-            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
-            Err(e) => return Err(e.into()),
-        };
-        filled += n;
-        let (used, records) = decode(&buf[..filled]);
-        dump.records += records;
-        buf.copy_within(used..filled, 0);
-        filled -= used;
-    }
+    let file = link.into_file()?;
+    let mut dump = read_all(file, decode)?;
     dump.total = start.elapsed();
     Ok(dump)
+}
+
+/// Read `file` to its end, decoding as [`run`] says (`total` left 0).
+fn read_all(
+    mut file: impl std::io::Read + Send,
+    decode: impl FnMut(&[u8]) -> (usize, usize),
+) -> std::io::Result<Dump> {
+    let mut dump = Dump::default();
+    let mut carry = Carry {
+        decode,
+        rest: Vec::new(),
+    };
+    let mut buf = vec![0u8; CHUNK];
+    let n = read_chunk(&mut file, &mut buf, &mut dump.in_kernel)?;
+    if n > 0 {
+        carry.feed(&buf[..n], &mut dump);
+        if n >= BIG {
+            pipelined(file, buf, &mut carry, &mut dump)?;
+        } else {
+            loop {
+                let n = read_chunk(&mut file, &mut buf, &mut dump.in_kernel)?;
+                if n == 0 {
+                    break;
+                }
+                carry.feed(&buf[..n], &mut dump);
+            }
+        }
+    }
+    Ok(dump)
+}
+
+/// One read of the iterator's output into `buf` (0: the end), its time added to `in_kernel`.
+fn read_chunk(
+    file: &mut impl std::io::Read,
+    buf: &mut [u8],
+    in_kernel: &mut Duration,
+) -> std::io::Result<usize> {
+    loop {
+        let t = Instant::now();
+        let read = file.read(buf);
+        *in_kernel += t.elapsed();
+        match read {
+            Err(e) if e.kind() == std::io::ErrorKind::Interrupted => continue,
+            read => return read,
+        }
+    }
+}
+
+/// The decoder and the bytes of a record cut by the end of a read.
+struct Carry<F> {
+    decode: F,
+    rest: Vec<u8>,
+}
+
+impl<F: FnMut(&[u8]) -> (usize, usize)> Carry<F> {
+    fn feed(&mut self, bytes: &[u8], dump: &mut Dump) {
+        if self.rest.is_empty() {
+            let (used, records) = (self.decode)(bytes);
+            dump.records += records;
+            self.rest.extend_from_slice(&bytes[used..]);
+        } else {
+            self.rest.extend_from_slice(bytes);
+            let (used, records) = (self.decode)(&self.rest);
+            dump.records += records;
+            self.rest.drain(..used);
+        }
+    }
+}
+
+/// The rest of a big dump: a second thread reads it (the kernel's part: walking the sockets)
+/// into [`BUFFERS`] reused buffers while this thread decodes the ones already read, in order.
+/// `in_kernel` is the reading thread's time in read().
+fn pipelined<R: std::io::Read + Send>(
+    mut file: R,
+    first: Vec<u8>,
+    carry: &mut Carry<impl FnMut(&[u8]) -> (usize, usize)>,
+    dump: &mut Dump,
+) -> std::io::Result<()> {
+    let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, usize)>(BUFFERS);
+    let (free_tx, free_rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    for buf in std::iter::once(first).chain((1..BUFFERS).map(|_| vec![0u8; CHUNK])) {
+        // The receiver is alive: it is moved into the reader below.
+        let _ = free_tx.send(buf);
+    }
+    let read = std::thread::scope(|scope| {
+        let reader = scope.spawn(move || -> std::io::Result<Duration> {
+            let mut in_kernel = Duration::ZERO;
+            // Ends at the dump's end, an error, or when the decoding side is gone.
+            while let Ok(mut buf) = free_rx.recv() {
+                let n = read_chunk(&mut file, &mut buf, &mut in_kernel)?;
+                if n == 0 || full_tx.send((buf, n)).is_err() {
+                    break;
+                }
+            }
+            Ok(in_kernel)
+        });
+        for (buf, n) in full_rx.iter() {
+            carry.feed(&buf[..n], dump);
+            let _ = free_tx.send(buf);
+        }
+        reader
+            .join()
+            .unwrap_or_else(|p| std::panic::resume_unwind(p))
+    });
+    dump.in_kernel += read?;
+    Ok(())
 }
 
 /// A dump of fixed-size records, each handed to `f`.
@@ -131,6 +225,77 @@ mod tests {
             comm: *b"java\0\0\0\0\0\0\0\0\0\0\0\0",
             netns,
             _pad: 0,
+        }
+    }
+
+    /// A reader that returns `sizes[i % len]` bytes on its i-th read, and an error once it
+    /// has returned `fail_after` bytes, if set.
+    struct Chunky {
+        data: Vec<u8>,
+        at: usize,
+        sizes: Vec<usize>,
+        reads: usize,
+        fail_after: Option<usize>,
+    }
+
+    impl std::io::Read for Chunky {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            if self.fail_after.is_some_and(|f| self.at >= f) {
+                return Err(std::io::Error::other("the iterator failed"));
+            }
+            let want = self.sizes[self.reads % self.sizes.len()];
+            self.reads += 1;
+            let n = want.min(buf.len()).min(self.data.len() - self.at);
+            buf[..n].copy_from_slice(&self.data[self.at..self.at + n]);
+            self.at += n;
+            Ok(n)
+        }
+    }
+
+    fn owners_stream(n: u64) -> Vec<u8> {
+        (1..=n).flat_map(|i| bytes(&owner(i, 0)).to_vec()).collect()
+    }
+
+    /// Small dumps (read here) and big ones (read on a second thread, through recycled
+    /// buffers), cut anywhere: every record once, in order; a failed read is the dump's error.
+    #[test]
+    fn every_record_once_in_order_however_the_reads_cut_them() {
+        for (n, sizes) in [
+            (3u64, vec![1, 2, 5]),
+            (300, vec![7000]),
+            (20_000, vec![32 * 1024, 17, 40_000, 1, 12_345]),
+            (20_000, vec![BIG, CHUNK]),
+        ] {
+            let data = owners_stream(n);
+            let mut seen = Vec::new();
+            let file = Chunky {
+                data,
+                at: 0,
+                sizes,
+                reads: 0,
+                fail_after: None,
+            };
+            let dump = read_all(file, |buf| {
+                decode_owned(buf, &mut |o| {
+                    if let Owned::Owner(o) = o {
+                        seen.push(o.skaddr)
+                    }
+                })
+            })
+            .unwrap();
+            assert_eq!(dump.records as u64, n);
+            assert_eq!(seen, (1..=n).collect::<Vec<_>>());
+        }
+        for fail_after in [0, 1000, 300_000] {
+            let file = Chunky {
+                data: owners_stream(20_000),
+                at: 0,
+                sizes: vec![32 * 1024],
+                reads: 0,
+                fail_after: Some(fail_after),
+            };
+            let err = read_all(file, |buf| decode_owned(buf, &mut |_| ())).unwrap_err();
+            assert_eq!(err.to_string(), "the iterator failed");
         }
     }
 

@@ -42,11 +42,14 @@ pub struct Group {
     pub idle_count: usize,
 }
 
+/// What a summary line groups by: (namespace inode, owner pid, service port, state).
+type GroupKey = (u32, Option<u32>, u16, TcpState);
+
 /// Group sockets, largest group first.
 pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
-    let mut groups: FxHashMap<(u32, Option<u32>, u16, TcpState), Group> = FxHashMap::default();
+    let mut groups: FxHashMap<GroupKey, Group> = FxHashMap::default();
     // The group of the previous socket: in display order most sockets are in the same one.
-    let mut last: Option<((u32, Option<u32>, u16, TcpState), Group)> = None;
+    let mut last: Option<(GroupKey, Group)> = None;
     for s in socks {
         let key = (s.netns.inode, s.pid(), s.service_port, s.state);
         let g = match &mut last {
