@@ -251,7 +251,11 @@ pub struct StateEntry {
     /// `net.ns.inum` of the socket's namespace (0: not read), so that the sweep can pass over
     /// the sockets of a namespace it skips without reading them.
     pub netns: u32,
-    pub _pad2: u32,
+    /// The inode of the socket's file (`SOCK_INODE(sk->sk_socket)->i_ino`; sockfs numbers are
+    /// 32-bit), written by iter/tcp the first time it reads it (0: not read yet; a transition
+    /// rewrites the record without it). It lies in another cache line than anything else read
+    /// per socket, so an idle socket's walk reads it once, not on every scan.
+    pub inode: u32,
 }
 
 /// One set of the per-socket state table (`CONNREAP_STATE`, an array of [`STATE_SETS`] sets):

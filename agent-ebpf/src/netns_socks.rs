@@ -94,6 +94,7 @@ fn elsewhere(socket: *const u8, sk: u64) -> Option<(u32, SockRecord)> {
     let sk_number = read::<u64>(socket as u64 + off!(socket_sk));
     let full = full_sock(
         || crate::state::get(sk_number),
+        false,
         tp,
         state,
         |p, o| read::<u32>(p as u64 + o),

@@ -176,17 +176,21 @@ pub(crate) struct FullSock {
 /// Fields of a full TCP socket: direct loads of struct sock's, and `tcp` reading the u32
 /// fields of tcp_sock and inet_connection_sock (a direct load through the helper's trusted
 /// tcp_sock view in iter/tcp, a checked read where the pointer is typed only as struct sock).
+///
+/// `record` gives the socket's record in the state table, if any; with `locked` (the caller
+/// holds the socket's lock, as iter/tcp does) the inode read is kept in it.
 #[inline(always)]
 pub(crate) fn full_sock(
-    record: impl FnOnce() -> Option<*const StateEntry>,
+    record: impl FnOnce() -> Option<*mut StateEntry>,
+    locked: bool,
     tp: *const u8,
     state: u8,
     tcp: impl Fn(*const u8, u64) -> u32,
 ) -> FullSock {
+    let record = record();
     let socket: u64 = sk_field(tp, off!(sk_socket));
-    // struct socket's inode lies outside struct socket: a checked read.
     let inode = if socket != 0 {
-        read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino))
+        inode_of(socket, record, locked, tp)
     } else {
         0
     };
@@ -227,7 +231,7 @@ pub(crate) fn full_sock(
         idle,
         state_age_jiffies: 0,
     };
-    if let Some(entry) = record() {
+    if let Some(entry) = record {
         // SAFETY: the socket's record (in the state table, or its own storage); the socket's
         // lock, which the iterator holds, keeps its own transitions from changing it meanwhile.
         let entry = unsafe { &*entry };
@@ -238,6 +242,34 @@ pub(crate) fn full_sock(
         }
     }
     out
+}
+
+/// The inode of the file of the socket `tp` (whose struct socket is at `socket`): from its
+/// record when iter/tcp kept it there (and the record's ports are the socket's: a record is
+/// never trusted for another socket at a reused address), else a checked read (struct
+/// socket's inode lies outside struct socket), kept in the record when `locked`.
+#[inline(always)]
+fn inode_of(socket: u64, record: Option<*mut StateEntry>, locked: bool, tp: *const u8) -> u64 {
+    let read_it = || read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino));
+    let Some(entry) = record else {
+        return read_it();
+    };
+    // SAFETY: the socket's record in the state table; writes to it are the socket's own,
+    // under its lock, which a `locked` caller holds.
+    let entry = unsafe { &mut *entry };
+    let sport: u16 = sk_field(tp, off!(skc_num));
+    let dport = u16::from_be(sk_field(tp, off!(skc_dport)));
+    if entry.sport != sport || entry.dport != dport {
+        return read_it();
+    }
+    if entry.inode != 0 {
+        return u64::from(entry.inode);
+    }
+    let inode = read_it();
+    if locked && inode <= u64::from(u32::MAX) {
+        entry.inode = inode as u32;
+    }
+    inode
 }
 
 /// A timewait socket's real state (orphaned FIN_WAIT2 sockets live on as timewait sockets too)
@@ -308,7 +340,13 @@ fn try_iter_tcp(ctx: *mut c_void) -> Result<(), i64> {
         // The socket's address as a number for the state table (see state.rs): the context's
         // pointer field read through a probe read is a plain value to the verifier.
         let sk_number = read::<u64>(ctx as u64 + 8);
-        let mut full = full_sock(|| crate::state::get(sk_number), tp, state, sk_field::<u32>);
+        let mut full = full_sock(
+            || crate::state::get(sk_number),
+            true,
+            tp,
+            state,
+            sk_field::<u32>,
+        );
         if full.flags & sock_flags::SINCE_KNOWN == 0 {
             seed(sk_number, skc, family, state, addrs, &mut full);
         }
@@ -349,7 +387,8 @@ fn seed(
             let net: u64 = sk_field(skc, off!(skc_net));
             read(net + off!(net_ns_inum))
         },
-        _pad2: 0,
+        // What the caller just read (full sockets only reach here).
+        inode: u32::try_from(full.inode).unwrap_or(0),
     };
     if !crate::state::put(sk, &entry) {
         full.flags |= sock_flags::UNTRACKED;

@@ -93,9 +93,10 @@ pub(crate) fn way(set: *const StateSet, i: usize) -> (u64, StateEntry) {
     (k, unsafe { *entry(set, i) })
 }
 
-/// The record of the socket at `sk`, if it is tracked.
+/// The record of the socket at `sk`, if it is tracked. Writable only where the socket's lock
+/// is held (see the module docs).
 #[inline(always)]
-pub(crate) fn get(sk: u64) -> Option<*const StateEntry> {
+pub(crate) fn get(sk: u64) -> Option<*mut StateEntry> {
     let set = set_of(sk)?;
     let i = find(set, sk)?;
     Some(entry(set, i))

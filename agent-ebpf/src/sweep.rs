@@ -230,10 +230,16 @@ fn sweep_one(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
         return;
     };
     let socket: u64 = read(sk + off!(sk_socket));
-    let inode = if socket != 0 {
-        read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino))
-    } else {
+    // The inode iter/tcp kept in the record, if the record is this socket's (its ports).
+    let kept = entry.inode != 0
+        && entry.sport == c.get::<u16>(sk, off!(skc_num))
+        && entry.dport == u16::from_be(c.get(sk, off!(skc_dport)));
+    let inode = if socket == 0 {
         0
+    } else if kept {
+        u64::from(entry.inode)
+    } else {
+        read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino))
     };
     out.requests = 0;
     let queues: (u32, u32) = if state == tcp_state::LISTEN {

@@ -183,7 +183,7 @@ impl Transition {
             state: self.newstate,
             _pad: 0,
             netns: self.netns,
-            _pad2: 0,
+            inode: 0,
         }
     }
 }

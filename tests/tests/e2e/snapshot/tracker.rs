@@ -1,5 +1,6 @@
 //! Ages from the state tracker: sockets older than it, a second pin root, thousands of
-//! sockets over two rounds, and TIME_WAIT aged from the kernel's own stamp.
+//! sockets over two rounds (with the inodes the walk keeps in their records), and TIME_WAIT
+//! aged from the kernel's own stamp.
 
 use std::{path::Path, thread, time::Duration};
 
@@ -228,6 +229,7 @@ fn thousands_of_sockets_get_exact_ages_updated_in_place_over_two_rounds() {
                 .then_some(socks)
         })
         .unwrap_or_else(|| sockets(&snapshot(&ns, &["--port", "7400"])));
+        assert_inodes_are_the_files(&socks, N);
         for pid in [cli.pid(), srv.pid()] {
             let (n, inexact) = exact_in(&socks, pid, "ESTABLISHED");
             assert!(
@@ -244,6 +246,7 @@ fn thousands_of_sockets_get_exact_ages_updated_in_place_over_two_rounds() {
             (exact_in(&socks, srv.pid(), "CLOSE_WAIT").0 == N * (round + 1)).then_some(socks)
         })
         .unwrap_or_else(|| sockets(&snapshot(&ns, &["--port", "7400"])));
+        assert_inodes_are_the_files(&socks, N);
         let (n, inexact) = exact_in(&socks, srv.pid(), "CLOSE_WAIT");
         assert!(
             n == N * (round + 1) && inexact <= MISSED * (round + 1),
@@ -253,6 +256,35 @@ fn thousands_of_sockets_get_exact_ages_updated_in_place_over_two_rounds() {
             MISSED * (round + 1)
         );
     }
+}
+
+/// Every row's inode is the one its owner's descriptor names (`/proc/PID/fd/FD` ->
+/// `socket:[INODE]`), checked on at least `min` rows. The walk keeps each socket's inode in
+/// its record after reading it once; a record rewritten by a transition, or left by a socket
+/// whose memory a new one reuses (the second round's sockets), must not give another
+/// socket's inode.
+fn assert_inodes_are_the_files(socks: &[SocketRow], min: usize) {
+    let mut checked = 0;
+    for s in socks {
+        let (Some(pid), Some(fd)) = (s.pid, s.fd) else {
+            continue;
+        };
+        let Ok(link) = std::fs::read_link(format!("/proc/{pid}/fd/{fd}")) else {
+            continue; // closed since the snapshot
+        };
+        let link = link.to_string_lossy().into_owned();
+        if link.starts_with("socket:") {
+            assert_eq!(
+                link,
+                format!("socket:[{}]", s.inode),
+                "{} -> {}: pid {pid} fd {fd}",
+                s.local,
+                s.peer
+            );
+            checked += 1;
+        }
+    }
+    assert!(checked >= min, "only {checked} rows checked (want {min})");
 }
 
 /// TIME_WAIT sockets are aged from the kernel's own stamp (`tw_entry_stamp`, Linux 6.13+): a
