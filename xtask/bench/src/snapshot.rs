@@ -172,20 +172,30 @@ impl SnapshotRun {
         let (seen, owned, exact) = verify_snapshot(h)?;
         let ss_seen = ss_count(h)?;
         let timeout = Duration::from_secs(120);
-        let (mut snap, mut table, mut ssp, mut ss) =
-            (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..runs {
-            snap.push(proc::timed(&mut snapshot_cmd(h), timeout)?);
-            table.push(proc::timed(&mut snapshot_table_cmd(h), timeout)?);
-            ssp.push(proc::timed(h.command("ss").arg("-tanp"), timeout)?);
-            ss.push(proc::timed(h.command("ss").arg("-tan"), timeout)?);
+        // The JSON snapshot, the table, `ss -tanp`, `ss -tan`. Each round starts one later in
+        // that order: `ss -tanp` walks every process's files for seconds and leaves the
+        // caches cold, and whatever always ran right after it would pay for that alone.
+        let commands: [&dyn Fn() -> Command; 4] = [
+            &|| snapshot_cmd(h),
+            &|| snapshot_table_cmd(h),
+            &|| {
+                let mut c = h.command("ss");
+                c.arg("-tanp");
+                c
+            },
+            &|| {
+                let mut c = h.command("ss");
+                c.arg("-tan");
+                c
+            },
+        ];
+        let mut times: [Vec<Timed>; 4] = Default::default();
+        for round in 0..runs {
+            for i in (0..4).map(|k| (round + k) % 4) {
+                times[i].push(proc::timed(&mut commands[i](), timeout)?);
+            }
         }
-        let (snap, table, ssp, ss) = (
-            Timed::median(snap),
-            Timed::median(table),
-            Timed::median(ssp),
-            Timed::median(ss),
-        );
+        let [snap, table, ssp, ss] = times.map(Timed::median);
         let split = ScanSplit::measure(h, runs)?;
         Ok(SnapshotRun {
             seen,
