@@ -237,8 +237,10 @@ scan so exactly one scan falls in it. Ratio of the medians (connections/s); bpf_
 the 20000 hard limit) each hold N loopback connections, both ends, to a listener on 127.0.i.1 in a \
 fresh namespace (10k: 1 × 5000 connections; 100k: 6 × 8500). Before they connect, three snapshots \
 of the empty namespace give the fixed cost (and attach the tracker, so every age is exact). Each \
-round runs `connreap snapshot --json`, `ss -tanp`, `ss -tan` in the namespace (setns, like \
-`nsenter --net`), stdout to /dev/null; wall time spawn→exit, CPU from wait4; medians of 5 rounds. \
+round runs `connreap snapshot --json --netns host`, `connreap snapshot --netns host` (the table), \
+`ss -tanp`, `ss -tan` in the namespace (setns, like `nsenter --net`), each round starting one \
+command later in that order (none always follows `ss -tanp`, which leaves the caches cold), \
+stdout to /dev/null; wall time spawn→exit, CPU from wait4; medians of 5 rounds. \
 One extra snapshot is parsed to check that it sees every socket, with its owner. With `--baseline \
 PATH` (or `--baseline-commit REV`, which builds one), an older connreap is timed too, on the same \
 sockets: `connreap snapshot --json` (old builds know no `--netns` and dump their own namespace \
