@@ -142,15 +142,7 @@ impl Sweeper {
                 .test_run(opts)
                 .map_err(|source| SweepError::Run { first, source })?;
             in_kernel += t.elapsed();
-            let sets = run.return_value as i32 as i64;
-            if sets < 0 {
-                return Err(SweepError::NoOffsets);
-            }
-            // Each run reads at least one set (it stops only at the table's end).
-            if sets == 0 || sets > i64::from(MAX_SWEEP_SETS) || sets > i64::from(self.sets - first)
-            {
-                return Err(SweepError::BadCount(sets, first, self.sets));
-            }
+            let sets = sets_read(run.return_value, first, self.sets)?;
             // SAFETY: the mapping holds RUN_RECORDS records; the program wrote a slot per way
             // of the `sets` sets it read in the run that just returned, and no other sweep
             // runs while the lock is held.
@@ -160,12 +152,31 @@ impl Sweeper {
                 f(r);
                 dump.records += 1;
             }
-            first += sets as u32;
+            first += sets;
         }
         dump.in_kernel = in_kernel;
         dump.total = start.elapsed();
         Ok(dump)
     }
+}
+
+/// The sets a run read, from its return value (`ret`, an i32 in the register's low half) when
+/// it started at set `first` of a table of `table` sets. The count sizes the slice of the
+/// output array read next, so anything a run cannot have done is an error: a negative value
+/// (the loader set no offsets), none at all (a run stops only at the table's end), more than
+/// a run reads, or sets past the end.
+fn sets_read(ret: u32, first: u32, table: u32) -> Result<u32, SweepError> {
+    let sets = i64::from(ret as i32);
+    if sets < 0 {
+        return Err(SweepError::NoOffsets);
+    }
+    if sets == 0
+        || sets > i64::from(MAX_SWEEP_SETS)
+        || sets > i64::from(table.saturating_sub(first))
+    {
+        return Err(SweepError::BadCount(sets, first, table));
+    }
+    Ok(sets as u32)
 }
 
 impl Drop for Sweeper {
@@ -265,6 +276,36 @@ impl Kernel {
         match &mut self.sweeper {
             SweepState::Ready(s) => Ok(s.sweep(skip, f)?),
             _ => Err(KernelError::NoSweep),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What a run may report, and every way it may not: the count sizes a slice of the mapped
+    /// output, so an impossible one must stop the sweep with an error naming it.
+    #[test]
+    fn a_run_reports_one_to_max_sets_never_past_the_end() {
+        assert_eq!(sets_read(4, 0, 16_384).unwrap(), 4);
+        assert_eq!(
+            sets_read(MAX_SWEEP_SETS, 256, 16_384).unwrap(),
+            MAX_SWEEP_SETS
+        );
+        assert_eq!(sets_read(10, 16_374, 16_384).unwrap(), 10);
+        assert!(matches!(
+            sets_read((-1i32) as u32, 0, 16_384),
+            Err(SweepError::NoOffsets)
+        ));
+        for (ret, first) in [(0, 0), (MAX_SWEEP_SETS + 1, 0), (11, 16_374), (1, 16_384)] {
+            let err = sets_read(ret, first, 16_384).unwrap_err();
+            assert!(matches!(err, SweepError::BadCount(..)), "{err}");
+            assert!(
+                err.to_string()
+                    .contains(&format!("read {ret} sets from set {first} of 16384")),
+                "{err}"
+            );
         }
     }
 }
