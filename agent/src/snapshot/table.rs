@@ -61,6 +61,30 @@ fn width(b: &[u8]) -> usize {
     b.iter().filter(|&&c| c & 0xC0 != 0x80).count()
 }
 
+/// A row being written at the end of a [`Cells`] buffer.
+struct RowCells<'a> {
+    text: &'a mut Vec<u8>,
+    ends: [u32; COLUMNS],
+    /// Cells ended so far.
+    n: usize,
+}
+
+impl RowCells<'_> {
+    /// End the cell written since the previous one ended.
+    fn end(&mut self) {
+        if let Some(e) = self.ends.get_mut(self.n) {
+            *e = self.text.len() as u32;
+        }
+        self.n += 1;
+    }
+
+    /// Write a whole cell.
+    fn cell(&mut self, b: &[u8]) {
+        self.text.extend_from_slice(b);
+        self.end();
+    }
+}
+
 /// The cells of a slice of rows, in one buffer.
 #[derive(Default)]
 struct Cells {
@@ -94,19 +118,10 @@ impl Cells {
         })
     }
 
-    /// Append a row, given a closure that writes its cells, calling `end` after each.
-    fn push(&mut self, write: impl FnOnce(&mut Vec<u8>, &mut dyn FnMut(&mut Vec<u8>))) {
-        let mut ends = [0u32; COLUMNS];
-        let mut n = 0;
-        write(&mut self.text, &mut |text: &mut Vec<u8>| {
-            if let Some(e) = ends.get_mut(n) {
-                *e = text.len() as u32;
-            }
-            n += 1;
-        });
+    /// Count a row just written (its cells' `ends`) into the column widths.
+    fn finish_row(&mut self, ends: [u32; COLUMNS]) {
         self.ends.push(ends);
-        let i = self.ends.len() - 1;
-        let mut start = self.row_start(i);
+        let mut start = self.row_start(self.ends.len() - 1);
         for (w, end) in self.widths.iter_mut().zip(ends) {
             *w = (*w).max(width(&self.text[start..end as usize]));
             start = end as usize;
@@ -124,66 +139,61 @@ impl Cells {
                 Arc::as_ptr(&s.netns) as usize,
             );
             let same = last.filter(|(k, _)| *k == key).map(|(_, i)| i);
-            // Row `i`'s start and the ends of its owner cells.
+            // That row's start and the ends of its owner cells.
             let prefix = same.map(|i| {
                 let mut ends = [0u32; OWNER_CELLS];
                 ends.copy_from_slice(&c.ends[i][..OWNER_CELLS]);
                 (c.row_start(i), ends)
             });
-            c.push(|text, end| {
-                match prefix {
-                    Some((mut start, ends)) => {
-                        // The same cells as that row: copy its bytes, cell by cell.
-                        for e in ends {
-                            text.extend_from_within(start..e as usize);
-                            start = e as usize;
-                            end(text);
-                        }
-                    }
-                    None => {
-                        text.extend_from_slice(printable(&s.netns.label()).as_bytes());
-                        end(text);
-                        match s.container() {
-                            Some(ct) => {
-                                text.extend_from_slice(printable(&container_cell(ct)).as_bytes())
-                            }
-                            None => text.push(b'-'),
-                        }
-                        end(text);
-                        match s.pid() {
-                            Some(p) => {
-                                text.extend_from_slice(itoa::Buffer::new().format(p).as_bytes())
-                            }
-                            None => text.push(b'-'),
-                        }
-                        end(text);
-                        text.extend_from_slice(printable(s.comm()).as_bytes());
-                        end(text);
-                        text.extend_from_slice(printable(&unit_cell(s)).as_bytes());
-                        end(text);
+            let mut r = RowCells {
+                text: &mut c.text,
+                ends: [0; COLUMNS],
+                n: 0,
+            };
+            match prefix {
+                // The same cells as that row: its bytes copied, cell by cell.
+                Some((mut start, ends)) => {
+                    for e in ends {
+                        r.text.extend_from_within(start..e as usize);
+                        start = e as usize;
+                        r.end();
                     }
                 }
-                s.local.write_text(text);
-                end(text);
-                s.peer.write_text(text);
-                end(text);
-                text.extend_from_slice(s.state.as_str().as_bytes());
-                end(text);
-                if !s.age_exact {
-                    text.extend_from_slice("≥".as_bytes());
+                None => {
+                    r.cell(printable(&s.netns.label()).as_bytes());
+                    match s.container() {
+                        Some(ct) => r.cell(printable(&container_cell(ct)).as_bytes()),
+                        None => r.cell(b"-"),
+                    }
+                    match s.pid() {
+                        Some(p) => r.cell(itoa::Buffer::new().format(p).as_bytes()),
+                        None => r.cell(b"-"),
+                    }
+                    r.cell(printable(s.comm()).as_bytes());
+                    r.cell(printable(&unit_cell(s)).as_bytes());
                 }
-                push_human(text, s.age);
-                end(text);
-                match s.idle {
-                    Some(d) => push_human(text, d),
-                    None => text.push(b'-'),
+            }
+            s.local.write_text(r.text);
+            r.end();
+            s.peer.write_text(r.text);
+            r.end();
+            r.cell(s.state.as_str().as_bytes());
+            if !s.age_exact {
+                r.text.extend_from_slice("≥".as_bytes());
+            }
+            push_human(r.text, s.age);
+            r.end();
+            match s.idle {
+                Some(d) => {
+                    push_human(r.text, d);
+                    r.end();
                 }
-                end(text);
-                text.extend_from_slice(itoa::Buffer::new().format(s.rx_queue).as_bytes());
-                end(text);
-                text.extend_from_slice(itoa::Buffer::new().format(s.tx_queue).as_bytes());
-                end(text);
-            });
+                None => r.cell(b"-"),
+            }
+            r.cell(itoa::Buffer::new().format(s.rx_queue).as_bytes());
+            r.cell(itoa::Buffer::new().format(s.tx_queue).as_bytes());
+            let ends = r.ends;
+            c.finish_row(ends);
             if same.is_none() {
                 last = Some((key, c.ends.len() - 1));
             }
