@@ -116,13 +116,16 @@ fn pipelined<R: std::io::Read + Send>(
     carry: &mut Carry<impl FnMut(&[u8]) -> (usize, usize)>,
     dump: &mut Dump,
 ) -> std::io::Result<()> {
-    let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, usize)>(BUFFERS);
-    let (free_tx, free_rx) = std::sync::mpsc::channel::<Vec<u8>>();
-    for buf in std::iter::once(first).chain((1..BUFFERS).map(|_| vec![0u8; CHUNK])) {
-        // The receiver is alive: it is moved into the reader below.
-        let _ = free_tx.send(buf);
-    }
     let read = std::thread::scope(|scope| {
+        // Made inside the scope, so that a panic while decoding drops this side's ends of
+        // both channels before the scope waits for the reader: the reader then stops instead
+        // of waiting for a buffer forever.
+        let (full_tx, full_rx) = std::sync::mpsc::sync_channel::<(Vec<u8>, usize)>(BUFFERS);
+        let (free_tx, free_rx) = std::sync::mpsc::channel::<Vec<u8>>();
+        for buf in std::iter::once(first).chain((1..BUFFERS).map(|_| vec![0u8; CHUNK])) {
+            // The receiver is alive: it is moved into the reader below.
+            let _ = free_tx.send(buf);
+        }
         let reader = scope.spawn(move || -> std::io::Result<Duration> {
             let mut in_kernel = Duration::ZERO;
             // Ends at the dump's end, an error, or when the decoding side is gone.
@@ -297,6 +300,35 @@ mod tests {
             let err = read_all(file, |buf| decode_owned(buf, &mut |_| ())).unwrap_err();
             assert_eq!(err.to_string(), "the iterator failed");
         }
+    }
+
+    /// A decoder that panics in the middle of a big dump: the panic reaches the caller (the
+    /// reading thread stops; nothing waits forever).
+    #[test]
+    fn a_panic_while_decoding_a_big_dump_reaches_the_caller() {
+        let (done_tx, done_rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            let file = Chunky {
+                data: owners_stream(20_000),
+                at: 0,
+                sizes: vec![32 * 1024],
+                reads: 0,
+                fail_after: None,
+            };
+            let mut calls = 0;
+            let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                read_all(file, |buf| {
+                    calls += 1;
+                    assert!(calls < 3, "a decoder bug");
+                    decode_owned(buf, &mut |_| ())
+                })
+            }));
+            let _ = done_tx.send(result.is_err());
+        });
+        let panicked = done_rx
+            .recv_timeout(Duration::from_secs(20))
+            .expect("read_all returned or panicked within 20 s");
+        assert!(panicked);
     }
 
     #[test]
