@@ -320,6 +320,56 @@ pub(crate) mod tests {
         s
     }
 
+    /// Sockets of one group scattered among others (the summary's fast path only helps runs
+    /// of one group): every group's count, oldest age, exactness and idle count are what a
+    /// plain count per socket gives.
+    #[test]
+    fn groups_counted_alike_in_runs_and_scattered() {
+        let mut all: Vec<Socket> = (0..500u64)
+            .map(|i| {
+                let mut s = sock(
+                    [10, 20, 30][(i * 7 % 3) as usize],
+                    "x",
+                    [TcpState::Established, TcpState::CloseWait][(i % 2) as usize],
+                    80 + (i * 13 % 4) as u16,
+                    i * 31 % 97,
+                    i % 60,
+                );
+                s.age_exact = i % 11 != 0;
+                s
+            })
+            .collect();
+        all.sort_by_key(|s| s.pid());
+        for order in 0..2 {
+            if order == 1 {
+                // Interleaved: no two neighbours in one group, where the groups allow it.
+                all.sort_by_key(|s| (s.age, s.service_port));
+            }
+            let refs: Vec<&Socket> = all.iter().collect();
+            let got = summarize(&refs, Duration::from_secs(30));
+            let mut want: FxHashMap<GroupKey, (usize, Duration, bool, usize)> =
+                FxHashMap::default();
+            for s in &all {
+                let w = want
+                    .entry((s.netns.inode, s.pid(), s.service_port, s.state))
+                    .or_insert((0, Duration::ZERO, true, 0));
+                w.0 += 1;
+                w.1 = w.1.max(s.age);
+                w.2 &= s.age_exact;
+                w.3 += usize::from(s.idle.is_some_and(|i| i >= Duration::from_secs(30)));
+            }
+            assert_eq!(got.len(), want.len(), "order {order}");
+            for g in &got {
+                let w = want[&(0, g.pid, g.service_port, g.state)];
+                assert_eq!(
+                    (g.count, g.oldest_age_secs, g.oldest_age_exact, g.idle_count),
+                    w,
+                    "order {order}: {g:?}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn groups_largest_first() {
         let a: Vec<Socket> = (0..3)
