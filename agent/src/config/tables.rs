@@ -28,7 +28,10 @@ settings! {
         /// walks, one sweep over the state tracker's table reads every namespace's full
         /// sockets (held or not) on every scan; its TIME_WAIT and SYN_RECV sockets are
         /// carried from its last walk, and a walk that would read nothing else is skipped.
-        /// 0s: every namespace on every scan.
+        /// Also the longest the daemon reuses its last owner dump (which process holds which
+        /// socket: a pass over every process's files) while nothing that changes owners is
+        /// counted (no TCP state change, no process started or reaped; docs/containers.md).
+        /// 0s: every namespace and every process's files on every scan.
         #[serde(with = "humantime_serde")]
         netns_walk_interval: Duration = secs(60), range(secs(0), secs(HOUR));
         /// Sockets the state tracker can follow at once, every namespace's together (rounded

@@ -584,17 +584,21 @@ impl Kernel {
         PerCpuArray::try_from(map).map_err(KernelError::map(name))
     }
 
+    /// TCP state transitions the tracker has seen, all CPUs'. The count lives in each CPU's
+    /// staging batch header (see EventBatch); None when its lookup fails.
+    pub fn transitions(&self) -> Result<Option<u64>, KernelError> {
+        Ok(self
+            .per_cpu::<EventBatch>(names::STAGING)?
+            .get(&0, 0)
+            .ok()
+            .map(|v| v.iter().map(|b| b.transitions).sum()))
+    }
+
     pub fn counters(&self) -> Result<Counters, KernelError> {
         let arr = self.per_cpu::<u64>(names::COUNTERS)?;
         let sum = |i: u32| arr.get(&i, 0).map(|v| v.iter().sum()).unwrap_or(0);
-        // The transition count lives in each CPU's staging batch header (see EventBatch).
-        let transitions = self
-            .per_cpu::<EventBatch>(names::STAGING)?
-            .get(&0, 0)
-            .map(|v| v.iter().map(|b| b.transitions).sum())
-            .unwrap_or(0);
         Ok(Counters {
-            transitions,
+            transitions: self.transitions()?.unwrap_or(0),
             ring_drops: sum(counter::RING_DROPS),
             map_full: sum(counter::MAP_FULL),
             map_memory: self.memory.read(),

@@ -86,6 +86,27 @@ pub fn process_comm(pid: u32) -> Option<String> {
     Some(comm)
 }
 
+/// The processes of this PID namespace (the host's, for the daemon: see hostPID in the
+/// Kubernetes manifest) as one number that changes when any process starts or is reaped: a
+/// hash of the sorted numeric entries of /proc (thread groups; threads are not listed).
+/// None when /proc cannot be listed.
+pub fn processes() -> Option<u64> {
+    let mut pids: Vec<u32> = fs::read_dir("/proc")
+        .ok()?
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    Some(fingerprint(&mut pids))
+}
+
+/// The number [`processes`] gives for a set of pids.
+pub fn fingerprint(pids: &mut [u32]) -> u64 {
+    use std::hash::{Hash as _, Hasher as _};
+    pids.sort_unstable();
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    pids.hash(&mut h);
+    h.finish()
+}
+
 /// CLOCK_MONOTONIC in ns.
 pub fn monotonic_ns() -> u64 {
     let mut ts = libc::timespec {
@@ -175,5 +196,21 @@ mod tests {
             sockstat().is_some(),
             "this thread's namespace has a sockstat"
         );
+    }
+
+    #[test]
+    fn the_process_fingerprint_changes_with_the_set_only() {
+        assert_eq!(fingerprint(&mut [3, 1, 2]), fingerprint(&mut [1, 2, 3]));
+        assert_ne!(fingerprint(&mut [1, 2, 3]), fingerprint(&mut [1, 2]));
+        assert_ne!(fingerprint(&mut [1, 2, 3]), fingerprint(&mut [1, 2, 4]));
+        let before = processes().expect("/proc lists");
+        let mut child = std::process::Command::new("sleep")
+            .arg("5")
+            .spawn()
+            .expect("sleep");
+        let during = processes().expect("/proc lists");
+        child.kill().expect("kill");
+        child.wait().expect("reap");
+        assert_ne!(before, during, "a new process changes it");
     }
 }

@@ -3,6 +3,7 @@
 //! Which namespaces a scan walks whole, and what it carries between walks, is in `walk`; the
 //! namespaces only held sockets keep alive, in `hidden`.
 mod hidden;
+mod owners;
 mod walk;
 
 use std::{
@@ -20,7 +21,7 @@ use crate::{
     },
     table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
-use connreap_ebpf::SweepRecord;
+use connreap_ebpf::{OwnerRecord, SweepRecord};
 use hidden::{Hidden, Look};
 use rustc_hash::{FxHashMap, FxHashSet};
 pub use walk::every as walk_every;
@@ -82,6 +83,11 @@ pub struct Scanner {
     hidden: Hidden,
     /// What the last sweep read of each namespace (see `walk::worth_walking`).
     swept: FxHashMap<u32, Swept>,
+    /// The last owner dump's holders, what the kernel counted when it was taken, and whether
+    /// the last table had a socket waiting to be accepted (see `owners`).
+    held: Holders,
+    dumped: Option<owners::Dumped>,
+    pending_accept: bool,
 }
 
 impl Scanner {
@@ -106,6 +112,9 @@ impl Scanner {
             walks: Walks::new(1),
             hidden: Hidden::default(),
             swept: FxHashMap::default(),
+            held: Holders::default(),
+            dumped: None,
+            pending_accept: false,
         }
     }
 
@@ -143,13 +152,24 @@ impl Scanner {
         self.scan_with(true, &[])
     }
 
+    /// What the kernel counts that changes sockets' owners (see `owners`); None when a count
+    /// cannot be read (then no owner dump is reused).
+    fn counts(&self) -> Option<owners::Counts> {
+        let transitions = self.kernel.transitions().ok()??;
+        Some(owners::Counts {
+            transitions,
+            processes: procfs::processes()?,
+        })
+    }
+
     fn scan_with(&mut self, parallel: bool, forced: &[u32]) -> Result<Vec<Socket>, KernelError> {
         // Socket records become table rows as they are read.
         let start = Instant::now();
         let start_ns = procfs::monotonic_ns();
+        // Read before any dump: a change counted after it forces the next scan's owner dump.
+        let counts = self.counts();
         let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len, start_ns);
         self.walks.scans += 1;
-        let mut holders = Holders::default();
         // Every namespace (or those asked for), rediscovered on each scan: pods come and go.
         let every = self.only.is_empty();
         let mut spaces = if every {
@@ -211,14 +231,36 @@ impl Scanner {
                 b.push(&r)
             }
         };
+        // The last owner dump is reused when nothing that changes owners was counted since
+        // (see `owners`), at most once per walk period in a row; never by a re-check before a
+        // kill or a snapshot.
+        let reuse = !parallel
+            && forced.is_empty()
+            && sweeps
+            && owners::reusable(
+                self.dumped.as_ref(),
+                counts,
+                self.walks.every - 1,
+                self.pending_accept,
+            );
         // A scan looks for hidden namespaces when its owner dump reads other namespaces'
         // sockets anyway, when one of the last scan's was not discovered, and once per walk
         // period; a snapshot always (it has no last scan).
         if let Some(l) = &look {
-            if !parallel && between.is_empty() && l.no_vanished() && !self.walks.look_due() {
+            if !parallel
+                && (between.is_empty() || reuse)
+                && l.no_vanished()
+                && !self.walks.look_due()
+            {
                 look = None;
             }
         }
+        let reuse = reuse && look.is_none();
+        let mut holders = if reuse {
+            std::mem::take(&mut self.held)
+        } else {
+            Holders::default()
+        };
         let mut quiet: Vec<u32> = Vec::new();
         let (mut all, owners, swept) = if parallel {
             let mut on_socket = on_socket;
@@ -272,6 +314,7 @@ impl Scanner {
             let own = spaces.iter().find(|n| n.own).map_or(0, |n| n.inode);
             let (owners, swept) = owners_and_between(
                 &mut self.kernel,
+                reuse,
                 &self.walks,
                 own,
                 &between,
@@ -342,7 +385,16 @@ impl Scanner {
                 .or_insert_with(|| process_facts(pid, pods, names))
                 .clone()
         };
-        let table = b.finish(holders, end_ns, &mut facts_of);
+        let table = b.finish(&mut holders, end_ns, &mut facts_of);
+        self.held = holders;
+        self.dumped = match (reuse, self.dumped) {
+            (true, Some(d)) => Some(owners::Dumped {
+                reused: d.reused + 1,
+                ..d
+            }),
+            _ => counts.map(|at| owners::Dumped { at, reused: 0 }),
+        };
+        self.pending_accept = table.iter().any(owners::pending_accept);
         let live_pods: HashSet<String> = self
             .facts
             .values()
@@ -371,6 +423,7 @@ impl Scanner {
             socket_dump_us = us(sockets.total),
             owner_dump_kernel_us = us(owners.in_kernel),
             owner_dump_us = us(owners.total),
+            owners_reused = reuse,
             quiet = all.quiet,
             swept = swept.as_ref().map_or(0, |(d, _)| d.records),
             sweep_kernel_us = swept.as_ref().map_or(0, |(d, _)| us(d.in_kernel)),
@@ -404,6 +457,7 @@ type SweepResult = (kernel::Dump, FxHashMap<u32, Swept>);
 #[allow(clippy::too_many_arguments)]
 fn owners_and_between(
     kernel: &mut Kernel,
+    reuse: bool,
     walks: &Walks,
     own: u32,
     between: &[Namespace],
@@ -414,10 +468,19 @@ fn owners_and_between(
     now_ns: u64,
     hz: u32,
 ) -> Result<(kernel::Dump, Option<SweepResult>), KernelError> {
+    // `reuse`: `holders` are the last dump's (never with a look, which needs a fresh one).
+    let owner_dump = |kernel: &mut Kernel, f: &mut dyn FnMut(OwnerRecord)| {
+        if reuse {
+            Ok(kernel::Dump::default())
+        } else {
+            kernel.for_each_owner(f)
+        }
+    };
     if between.is_empty() && parts.is_empty() && look.is_none() {
-        return Ok((kernel.for_each_owner(|o| holders.push(&o))?, None));
+        return Ok((owner_dump(kernel, &mut |o| holders.push(&o))?, None));
     }
     if !kernel.sweeps() {
+        debug_assert!(!reuse, "a dump is reused only with the sweep");
         // Every namespace was walked (nothing between walks): only the look, through the
         // owner dump that reads other namespaces' held sockets.
         let dump = look_without_sweep(kernel, walks, look, b, holders)?;
@@ -446,7 +509,7 @@ fn owners_and_between(
         }
     })?;
     let mut kept = FxHashSet::default();
-    let dump = kernel.for_each_owner(|o| {
+    let dump = owner_dump(kernel, &mut |o| {
         holders.push(&o);
         if let (Some(r), Some(l)) = (unknown.get(&o.skaddr), look.as_mut()) {
             if l.see(r.netns, o.tgid, o.fd) {

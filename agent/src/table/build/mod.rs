@@ -275,7 +275,7 @@ impl<'a> TableBuilder<'a> {
     /// `end_ns`: when the socket dump ended (CLOCK_MONOTONIC ns, read after it).
     pub fn finish(
         self,
-        mut holders: Holders,
+        holders: &mut Holders,
         end_ns: u64,
         facts_of: &mut dyn FnMut(u32) -> ProcessFacts,
     ) -> Vec<Socket> {
@@ -350,13 +350,27 @@ fn build(
     clock: Clock,
     facts_of: &mut dyn FnMut(u32) -> ProcessFacts,
 ) -> Vec<Socket> {
-    let mut b = TableBuilder::new(host, first_seen, socks.len(), clock.start_ns);
-    for s in socks {
-        b.push(s);
-    }
     let mut holders = Holders::default();
     for o in owners {
         holders.push(o);
+    }
+    build_kept(socks, &mut holders, host, first_seen, clock, facts_of)
+}
+
+/// [`build`] with the holders of an owner dump that an earlier build may have finished with
+/// (as a daemon scan that reuses the last dump does).
+#[cfg(test)]
+fn build_kept(
+    socks: &[SockRecord],
+    holders: &mut Holders,
+    host: &HostInfo,
+    first_seen: &mut FirstSeen,
+    clock: Clock,
+    facts_of: &mut dyn FnMut(u32) -> ProcessFacts,
+) -> Vec<Socket> {
+    let mut b = TableBuilder::new(host, first_seen, socks.len(), clock.start_ns);
+    for s in socks {
+        b.push(s);
     }
     b.finish(holders, clock.end_ns, facts_of)
 }

@@ -203,13 +203,19 @@ fn first_seen_and_owners_in_any_order() {
     let mut fs = FirstSeen::default();
     let scans: [(std::ops::Range<u64>, u64); 3] = [(0..500, 0), (250..750, 5), (0..100, 9)];
     let mut first_seen: HashMap<u64, u64> = HashMap::new();
+    // One owner dump for all three scans: the later ones reuse the holders the first one
+    // finished with (sorted and deduplicated), as a daemon scan that reuses its last dump.
+    let mut kept = Holders::default();
+    for o in &owners {
+        kept.push(o);
+    }
     for (range, now) in scans {
         let mut d = dump(range.clone());
         d.push(d[7]);
         shuffle(&mut d);
-        let t = build(
+        let t = build_kept(
             &d,
-            &owners,
+            &mut kept,
             &HostInfo::default(),
             &mut fs,
             at(now),
