@@ -56,12 +56,26 @@ fn trimmed_rss(pid: u32) -> Option<(u64, u64)> {
     (after < before).then_some((before, after))
 }
 
-/// Measures 4 and 6: a daemon in `h`, where the holders keep `held` sockets (`tag`: the size).
+/// The detectors' idle thresholds for measures 4 and 6: beyond the run, so the held sockets are
+/// idle and no finding is made. With the defaults, the holders' pairs would become stuck pairs
+/// 5 min after measure 3 started them, sometimes inside the window: two costs in one figure.
+const IDLE: &str = "[detect]\nstuck_pair_min_idle = \"1h\"\nidle_established_min_idle = \"1h\"\n";
+/// The same sockets as the incident at its worst: every pair a stuck pair and every socket
+/// idle past `idle_established_min_idle` (the detectors pair and group all of them each scan).
+const LEAKED: &str = "[detect]\nstuck_pair_min_idle = \"0s\"\nidle_established_min_idle = \"0s\"\n";
+
+/// Measures 4 and 6: a daemon in `h`, where the holders keep `held` sockets (`tag`: the size);
+/// then measure 6 again with every socket leaked.
 pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Result<Vec<Row>> {
-    let o = observe(ctx, h)?;
+    let o = observe(ctx, h, IDLE, true)?;
     let mem = memory_row(ctx, &o, tag, held);
-    let cpu = cpu_row(&o, tag, held);
-    Ok(vec![mem, cpu])
+    let cpu = cpu_row(&o, &format!("{held} idle sockets ({tag})"));
+    let leaked = observe(ctx, h, LEAKED, false)?;
+    let leaked = cpu_row(
+        &leaked,
+        &format!("{held} leaked sockets ({tag}: every pair stuck, every socket idle)"),
+    );
+    Ok(vec![mem, cpu, leaked])
 }
 
 /// What one daemon run gave: VmRSS and CPU over the window, /metrics at both ends, and the
@@ -83,11 +97,12 @@ struct Observed {
     trimmed: Option<(u64, u64)>,
 }
 
-/// Run a daemon in `h`: VmRSS once per scan through the CPU window, then (with `--perf`) a
-/// profile over two scans and the `malloc_trim` step.
-fn observe(ctx: &Ctx, h: &NsHandle) -> Result<Observed> {
+/// Run a daemon in `h` with `extra` config: VmRSS once per scan through the CPU window, then
+/// (with `--perf` and `profile`) a profile over two scans and the `malloc_trim` step.
+fn observe(ctx: &Ctx, h: &NsHandle, extra: &str, profile: bool) -> Result<Observed> {
     let (interval, window): (f64, f64) = if ctx.smoke { (1.0, 5.0) } else { (5.0, 60.0) };
-    let mut d = Daemon::start(h, &ctx.dir, "scale", &format!("{interval}s"), "")?;
+    let tag = if profile { "scale" } else { "scale-leaked" };
+    let mut d = Daemon::start(h, &ctx.dir, tag, &format!("{interval}s"), extra)?;
     d.wait_scans(2.0, Duration::from_secs(60))?;
     let rss_a = proc::status_kb(d.pid(), "VmRSS")?;
     // VmRSS once per scan interval through the CPU window (reading /proc costs nothing).
@@ -98,7 +113,7 @@ fn observe(ctx: &Ctx, h: &NsHandle) -> Result<Observed> {
     let rss_b = proc::status_kb(d.pid(), "VmRSS")?;
     let hwm = proc::status_kb(d.pid(), "VmHWM")?;
     let kinds_end = kinds(d.pid())?;
-    let prof = if ctx.perf {
+    let prof = if ctx.perf && profile {
         let rec = profile::Recording::start(Some(d.pid()), &ctx.dir, "daemon")?;
         sys::sleep(Duration::from_secs_f64(2.0 * interval))?;
         rec.finish()
@@ -107,7 +122,11 @@ fn observe(ctx: &Ctx, h: &NsHandle) -> Result<Observed> {
     } else {
         None
     };
-    let trimmed = if ctx.perf { trimmed_rss(d.pid()) } else { None };
+    let trimmed = if ctx.perf && profile {
+        trimmed_rss(d.pid())
+    } else {
+        None
+    };
     drop(d);
     Ok(Observed {
         interval,
@@ -204,14 +223,14 @@ fn memory_facts(ctx: &Ctx, o: &Observed, rss_mb: f64, held: usize) -> Vec<String
 }
 
 /// Measure 6's row (informational): the daemon's CPU over the window, and its profile.
-fn cpu_row(o: &Observed, tag: &str, held: usize) -> Row {
+fn cpu_row(o: &Observed, what: &str) -> Row {
     let (du, ds, window) = (o.w.user, o.w.sys, o.window);
     let cpu_pct = (du + ds).as_secs_f64() / window * 100.0;
     let scans = o.w.scans();
     let mean_scan = o.w.scan_seconds() / scans.max(1.0);
     let per_scan_cpu = (du + ds).as_secs_f64() / scans.max(1.0);
     let interval = o.interval;
-    let mut cpu = Row::info("6", format!("daemon CPU @ {held} idle sockets ({tag})"), format!("{cpu_pct:.2} % of one core"), format!(
+    let mut cpu = Row::info("6", format!("daemon CPU @ {what}"), format!("{cpu_pct:.2} % of one core"), format!(
             "user {} + sys {} over {window:.0} s; {scans:.0} scans at {interval}s, mean scan {}, {} CPU per scan",
             ms(du),
             ms(ds),

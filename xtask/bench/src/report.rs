@@ -259,7 +259,11 @@ client ends in CLOSE_WAIT; they cross the threshold at T0 + 2 s; latency = arriv
 `close_wait_buildup` firing POST for that port − (T0 + 2 s). Trials place the crossing 5 %, 50 % \
 and 95 % of an interval after a scan (5 %: the scan just missed it, the worst case).
 6. **Daemon CPU**: (utime + stime) of the daemon from /proc/PID/stat over 60 s with the 100k idle \
-sockets and scan_interval 5s, as % of one core; then `perf record -p` over two scans.
+sockets and scan_interval 5s, as % of one core; then `perf record -p` over two scans. Idle means \
+no finding: `stuck_pair_min_idle` and `idle_established_min_idle` are 1h for it (with the \
+defaults the pairs would turn into stuck pairs 5 min after measure 3 started them, at times inside \
+the window). A second daemon then runs the same window with both at 0s: the same sockets leaked, \
+every pair a stuck pair, every socket past the idle threshold (the incident at its worst).
 7. **Many namespaces**: 100 namespaces (`ip netns add`, `lo` up), each with one holder process \
 keeping 500 loopback connections (1000 sockets) to its own listener: 100k sockets in total. \
 Alternated rounds (3; the snapshot first in odd rounds, last in even ones) time \
