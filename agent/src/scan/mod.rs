@@ -167,7 +167,8 @@ impl Scanner {
         let start = Instant::now();
         let start_ns = procfs::monotonic_ns();
         // Read before any dump: a change counted after it forces the next scan's owner dump.
-        let counts = self.counts();
+        // A snapshot never reuses a dump: it needs none.
+        let counts = if parallel { None } else { self.counts() };
         let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len, start_ns);
         self.walks.scans += 1;
         // Every namespace (or those asked for), rediscovered on each scan: pods come and go.
