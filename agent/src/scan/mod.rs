@@ -169,6 +169,9 @@ impl Scanner {
         // Read before any dump: a change counted after it forces the next scan's owner dump.
         // A snapshot never reuses a dump: it needs none.
         let counts = if parallel { None } else { self.counts() };
+        // Taken now: a scan that fails after taking the kept holders leaves no dump to reuse,
+        // so the next scan dumps.
+        let last_dump = self.dumped.take();
         let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len, start_ns);
         self.walks.scans += 1;
         // Every namespace (or those asked for), rediscovered on each scan: pods come and go.
@@ -239,7 +242,7 @@ impl Scanner {
             && forced.is_empty()
             && sweeps
             && owners::reusable(
-                self.dumped.as_ref(),
+                last_dump.as_ref(),
                 counts,
                 self.walks.every - 1,
                 self.pending_accept,
@@ -388,7 +391,7 @@ impl Scanner {
         };
         let table = b.finish(&mut holders, end_ns, &mut facts_of);
         self.held = holders;
-        self.dumped = match (reuse, self.dumped) {
+        self.dumped = match (reuse, last_dump) {
             (true, Some(d)) => Some(owners::Dumped {
                 reused: d.reused + 1,
                 ..d
