@@ -9,7 +9,7 @@ use std::{
 
 use aya::maps::MapData;
 
-use super::SHARED_MAPS;
+use super::load::SHARED_MAPS;
 
 /// The shared maps' fds, opened once from their pins, for reading their memory every scan.
 pub(crate) struct MapMemory {

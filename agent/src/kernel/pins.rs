@@ -323,7 +323,7 @@ mod tests {
 
     #[test]
     fn every_shared_map_pin_is_one_connreap_may_remove() {
-        for (_, pin) in super::super::SHARED_MAPS {
+        for (_, pin) in super::super::load::SHARED_MAPS {
             assert!(PIN_NAMES.contains(&pin), "{pin} missing from PIN_NAMES");
         }
     }

@@ -18,7 +18,7 @@ use aya::{
 };
 use connreap_ebpf::{names, SockRecord};
 
-use super::{error::program_error, KernelError, Loaded};
+use super::{error::program_error, load::Loaded, KernelError};
 
 pub(super) const MAP_PIN: &str = "sk";
 pub(super) const ITER_PIN: &str = "iter_sk";

@@ -23,7 +23,7 @@ use aya::{
 };
 use connreap_ebpf::{names, SweepRecord, MAX_SWEEP_SETS, STATE_WAYS};
 
-use super::{error::program_error, Dump, Kernel, KernelError, Loaded};
+use super::{error::program_error, load::Loaded, Dump, Kernel, KernelError};
 use crate::flock::Exclusive;
 
 /// Pin files of the program and its output array, in the pin directory.

@@ -18,7 +18,7 @@ use aya::{
 };
 use connreap_ebpf::StateSet;
 
-use super::{host, memory::MapMemory, pins, Kernel, KernelError, SHARED_MAPS};
+use super::{host, load::SHARED_MAPS, memory::MapMemory, pins, Kernel, KernelError};
 
 /// What [`Kernel::check_tracker`] found.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
