@@ -52,7 +52,9 @@ impl Kernel {
         let _lock = load_lock();
         let pin_dir = prepare_pin_dir()?;
         let before = existing_pins(&pin_dir);
-        Self::load_in(pin_dir.clone(), verbose, max_sockets.map(set_bits_for)).inspect_err(|_| {
+        let loaded = Self::load_in(pin_dir.clone(), verbose, max_sockets.map(set_bits_for));
+        super::return_freed_memory();
+        loaded.inspect_err(|_| {
             // Whatever failed, the pins this load made go (none are left by a refused program).
             clean_failed_load(&pin_dir, &before);
         })

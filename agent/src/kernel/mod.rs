@@ -405,3 +405,16 @@ impl Kernel {
 fn recursion_misses(fd: &aya::programs::ProgramFd) -> Option<u64> {
     memory::fdinfo_u64(fd.as_fd(), "recursion_misses")
 }
+
+/// Hand back to the system the heap memory a load freed. Parsing the kernel's BTF (the
+/// offsets, and aya's loader) allocates tens of MB for a moment; glibc keeps freed memory in
+/// the arena of the thread that freed it, and after a lazy load on the scanning thread that
+/// stayed in the daemon's VmRSS, scattered between the scans' allocations. Called once per
+/// load, never on a scan's path.
+pub(crate) fn return_freed_memory() {
+    #[cfg(target_env = "gnu")]
+    // SAFETY: malloc_trim has no preconditions; it only releases free memory.
+    unsafe {
+        libc::malloc_trim(0);
+    }
+}

@@ -202,7 +202,10 @@ impl Kernel {
             let (forms, pin_name) = forms();
             let pin = self.pin_dir.join(pin_name);
             if !pin.exists() {
-                if let Err(e) = Self::load_sweep(&pin, forms, self.verbose, self.set_bits) {
+                let loaded = Self::load_sweep(&pin, forms, self.verbose, self.set_bits);
+                // Loading parsed the kernel's BTF on this (the scanning) thread.
+                super::return_freed_memory();
+                if let Err(e) = loaded {
                     tracing::warn!(
                         error = %format!("{:#}", anyhow::Error::new(e)),
                         "no sweep over the state table on this kernel: every network namespace is walked on every scan (netns_walk_interval is not used)"
