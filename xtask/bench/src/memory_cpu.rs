@@ -9,7 +9,8 @@ use anyhow::Result;
 
 use crate::{
     agent::{Daemon, Window},
-    proc, profile,
+    proc::{self, Timed},
+    profile,
     report::{ms, Row, Verdict},
     sys::{self, NsHandle},
     Ctx,
@@ -66,14 +67,24 @@ const LEAKED: &str = "[detect]\nstuck_pair_min_idle = \"0s\"\nidle_established_m
 
 /// Measures 4 and 6: a daemon in `h`, where the holders keep `held` sockets (`tag`: the size);
 /// then measure 6 again with every socket leaked.
-pub fn daemon_rows(ctx: &mut Ctx, h: &NsHandle, tag: &str, held: usize) -> Result<Vec<Row>> {
+/// `ss`: `ss -tan` over the same sockets (measure 3's median, same run), the yardstick each CPU
+/// row is also given against: an absolute CPU share moves with the machine (the same scan code
+/// measured 141 ms per idle scan one night and 203 ms the next), a ratio side by side less.
+pub fn daemon_rows(
+    ctx: &mut Ctx,
+    h: &NsHandle,
+    tag: &str,
+    held: usize,
+    ss: &Timed,
+) -> Result<Vec<Row>> {
     let o = observe(ctx, h, IDLE, true)?;
     let mem = memory_row(ctx, &o, tag, held);
-    let cpu = cpu_row(&o, &format!("{held} idle sockets ({tag})"));
+    let cpu = cpu_row(&o, &format!("{held} idle sockets ({tag})"), ss);
     let leaked = observe(ctx, h, LEAKED, false)?;
     let leaked = cpu_row(
         &leaked,
         &format!("{held} leaked sockets ({tag}: every pair stuck, every socket idle)"),
+        ss,
     );
     Ok(vec![mem, cpu, leaked])
 }
@@ -223,7 +234,7 @@ fn memory_facts(ctx: &Ctx, o: &Observed, rss_mb: f64, held: usize) -> Vec<String
 }
 
 /// Measure 6's row (informational): the daemon's CPU over the window, and its profile.
-fn cpu_row(o: &Observed, what: &str) -> Row {
+fn cpu_row(o: &Observed, what: &str, ss: &Timed) -> Row {
     let (du, ds, window) = (o.w.user, o.w.sys, o.window);
     let cpu_pct = (du + ds).as_secs_f64() / window * 100.0;
     let scans = o.w.scans();
@@ -231,11 +242,14 @@ fn cpu_row(o: &Observed, what: &str) -> Row {
     let per_scan_cpu = (du + ds).as_secs_f64() / scans.max(1.0);
     let interval = o.interval;
     let mut cpu = Row::info("6", format!("daemon CPU @ {what}"), format!("{cpu_pct:.2} % of one core"), format!(
-            "user {} + sys {} over {window:.0} s; {scans:.0} scans at {interval}s, mean scan {}, {} CPU per scan",
+            "user {} + sys {} over {window:.0} s; {scans:.0} scans at {interval}s, mean scan {}, {} CPU per scan \
+             ({:.2}× the CPU of one `ss -tan` over the same sockets, {})",
             ms(du),
             ms(ds),
             ms(Duration::from_secs_f64(mean_scan)),
-            ms(Duration::from_secs_f64(per_scan_cpu))
+            ms(Duration::from_secs_f64(per_scan_cpu)),
+            per_scan_cpu / (ss.user + ss.sys).as_secs_f64().max(1e-9),
+            ms(ss.user + ss.sys)
         ));
     if let Some(p) = &o.prof {
         cpu.details.push(format!(

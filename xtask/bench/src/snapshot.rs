@@ -83,15 +83,9 @@ pub fn snapshot_at_scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
         };
         let holders = Holders::start(&h, per)?;
         let profile_full = ctx.perf && i == last;
-        rows.extend(snapshot_rows(
-            ctx,
-            &h,
-            tag,
-            holders.sockets,
-            &empty,
-            fixed,
-            profile_full,
-        )?);
+        let (size_rows, ss) =
+            snapshot_rows(ctx, &h, tag, holders.sockets, &empty, fixed, profile_full)?;
+        rows.extend(size_rows);
         if let (Some(b), Some(p)) = (&base, &pins) {
             // A failed comparison is a failed row of its own; the rows above stand.
             rows.push(baseline::row(ctx, &h, tag, b, p).unwrap_or_else(|e| {
@@ -106,7 +100,7 @@ pub fn snapshot_at_scale(ctx: &mut Ctx) -> Result<Vec<Row>> {
         // The baseline's tracker goes before the daemon measures.
         drop(pins);
         if i == last {
-            rows.extend(memory_cpu::daemon_rows(ctx, &h, tag, holders.sockets)?);
+            rows.extend(memory_cpu::daemon_rows(ctx, &h, tag, holders.sockets, &ss)?);
         }
         drop(holders);
         drop(ns);
@@ -226,7 +220,7 @@ fn snapshot_rows(
     empty: &Timed,
     fixed: String,
     profile_it: bool,
-) -> Result<Vec<Row>> {
+) -> Result<(Vec<Row>, Timed)> {
     let runs = if ctx.smoke { 3 } else { 5 };
     let run = SnapshotRun::measure(h, runs)?;
     let mut details = snapshot_table(&run, held);
@@ -247,7 +241,7 @@ fn snapshot_rows(
     if run.seen < held {
         bail!("the snapshot saw {} sockets but {held} are held", run.seen);
     }
-    Ok(rows)
+    Ok((rows, run.ss))
 }
 
 /// The first details: what was seen, and the table of median times.
