@@ -263,7 +263,9 @@ sockets and scan_interval 5s, as % of one core; then `perf record -p` over two s
 no finding: `stuck_pair_min_idle` and `idle_established_min_idle` are 1h for it (with the \
 defaults the pairs would turn into stuck pairs 5 min after measure 3 started them, at times inside \
 the window). A second daemon then runs the same window with both at 0s: the same sockets leaked, \
-every pair a stuck pair, every socket past the idle threshold (the incident at its worst).
+every pair a stuck pair, every socket past the idle threshold (the incident at its worst). Each \
+row also gives the CPU per scan against the CPU (user + sys) of one `ss -tan` over the same \
+sockets, measure 3's median in the same run: a ratio that moves less with the machine.
 7. **Many namespaces**: 100 namespaces (`ip netns add`, `lo` up), each with one holder process \
 keeping 500 loopback connections (1000 sockets) to its own listener: 100k sockets in total. \
 Alternated rounds (3; the snapshot first in odd rounds, last in even ones) time \
