@@ -410,7 +410,7 @@ fn recursion_misses(fd: &aya::programs::ProgramFd) -> Option<u64> {
 /// offsets, and aya's loader) allocates tens of MB for a moment; glibc keeps freed memory in
 /// the arena of the thread that freed it, and after a lazy load on the scanning thread that
 /// stayed in the daemon's VmRSS, scattered between the scans' allocations. Called once per
-/// load, never on a scan's path.
+/// load (the sweep's is lazy: once, in the first scan that sweeps), never per scan.
 pub(crate) fn return_freed_memory() {
     #[cfg(target_env = "gnu")]
     // SAFETY: malloc_trim has no preconditions; it only releases free memory.
