@@ -119,7 +119,10 @@ pub const MAX_SET_BITS: u32 = 18;
 /// or none untracked (measure 3 of `cargo xtask bench` reports how many had an exact age).
 pub const STATE_WAYS: usize = 16;
 /// Ring buffer size for transition events (must be a power of two multiple of the page size).
-pub const EVENTS_RING_BYTES: u32 = 1 << 22;
+/// The daemon maps the ring twice (records that wrap stay contiguous), and the kernel maps
+/// every page up front, so each MiB here is 2 MiB of the daemon's VmRSS. 2 MiB dropped nothing
+/// at about 26k connections a second beside 100k-socket scans (BENCHMARKS.md).
+pub const EVENTS_RING_BYTES: u32 = 1 << 21;
 
 /// Byte offsets of the kernel struct members the programs read, resolved by the loader from the
 /// running kernel's BTF (`/sys/kernel/btf/vmlinux`) and written into `.rodata` before load, so the

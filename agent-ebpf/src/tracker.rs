@@ -45,10 +45,10 @@ pub fn connreap_set_state(ctx: BtfTracePointContext) -> i32 {
 }
 
 /// Wake the ring reader once per this much ring traffic (the daemon also drains on a timer, so
-/// most batches cost no wakeup). A quarter of the 4 MiB ring: the reader has 3 MiB of slack to
-/// answer a wakeup before events drop, and fewer wakeups (and context switches) than with a
+/// most batches cost no wakeup). A quarter of the 2 MiB ring: the reader has 1.5 MiB of slack
+/// to answer a wakeup before events drop, and fewer wakeups (and context switches) than with a
 /// smaller step cost the daemon less CPU per connection under churn.
-const WAKEUP_BYTES: u64 = 1024 * 1024;
+const WAKEUP_BYTES: u64 = 512 * 1024;
 
 /// Bench-only `count-only`: count the transition and stop (the floor: entry, stats, ctx loads).
 const COUNT_ONLY: bool = cfg!(tracker_variant = "count-only");

@@ -18,7 +18,7 @@ pub fn detect(
     // survives a restart of the leaking service (see `owner_identity`).
     let mut groups: BTreeMap<(u32, Option<u32>, u16), Vec<&Socket>> = BTreeMap::new();
     for s in table {
-        if s.state == TcpState::CloseWait && s.age >= cfg.close_wait_min_age {
+        if s.state == TcpState::CloseWait && s.age() >= cfg.close_wait_min_age {
             groups
                 .entry((s.netns.inode, s.pid(), s.service_port))
                 .or_default()
@@ -29,10 +29,10 @@ pub fn detect(
     let mut counts = BTreeMap::new();
     let mut out = Vec::new();
     for ((_, _, port), socks) in groups {
-        let oldest = socks.iter().map(|s| s.age).max().unwrap_or_default();
+        let oldest = socks.iter().map(|s| s.age()).max().unwrap_or_default();
         let oldest_exact = socks
             .iter()
-            .filter(|s| s.age == oldest)
+            .filter(|s| s.age() == oldest)
             .all(|s| s.age_exact);
         let key = format!("{}:{port}", owner_identity(socks[0]));
         let scoped_key = format!("{key}{}", scope::ns_part(&socks[0].netns));
@@ -92,7 +92,7 @@ mod tests {
                     "[::ffff:10.0.16.36]:80",
                     TcpState::CloseWait,
                 );
-                s.age = Duration::from_secs(age + i as u64);
+                s.set_age(Duration::from_secs(age + i as u64));
                 s
             })
             .collect()

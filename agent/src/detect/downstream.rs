@@ -178,7 +178,7 @@ fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Orp
         .ups
         .iter()
         .filter(|&&u| table[u].age_exact)
-        .map(|&u| (table[u].age, u))
+        .map(|&u| (table[u].age(), u))
         .collect();
     ups.sort_unstable();
     let mut ivs: Vec<(Duration, Duration, usize)> = live
@@ -196,7 +196,7 @@ fn classify(table: &[Socket], r: &Relay, dead: &[bool], status: &mut [Option<Orp
                 .unwrap_or(Duration::ZERO)
                 .max(lr.saturating_sub(MATCH_WINDOW));
             let high = if s.age_exact {
-                s.age.saturating_add(TOLERANCE)
+                s.age().saturating_add(TOLERANCE)
             } else {
                 Duration::MAX
             };
@@ -299,7 +299,7 @@ mod tests {
                     Direction::Outbound,
                     TcpState::Established,
                 );
-                c.age = age;
+                c.set_age(age);
                 let mut d = s(
                     10,
                     "10.0.0.2:8080",
@@ -307,7 +307,7 @@ mod tests {
                     Direction::Inbound,
                     TcpState::Established,
                 );
-                d.age = age;
+                d.set_age(age);
                 d.set_last_io(Some(age), Some(Duration::ZERO));
                 t.push(c);
                 t.push(d);
@@ -319,7 +319,7 @@ mod tests {
                 Direction::Outbound,
                 TcpState::Established,
             );
-            u.age = age - Duration::from_millis(5);
+            u.set_age(age - Duration::from_millis(5));
             let mut r = s(
                 20,
                 "10.0.0.3:25001",
@@ -327,7 +327,7 @@ mod tests {
                 Direction::Inbound,
                 TcpState::Established,
             );
-            r.age = u.age;
+            r.set_age(u.age());
             t.push(u);
             t.push(r);
         }
@@ -392,7 +392,7 @@ mod tests {
             .enumerate()
         {
             let mut x = leaver;
-            x.age -= Duration::from_millis(200);
+            x.set_age(x.age() - Duration::from_millis(200));
             x.local = format!("{}:{}", x.local.ip(), 51000 + i).parse().unwrap();
             x.peer = if x.direction == Direction::Inbound {
                 format!("{}:{}", x.peer.ip(), 51000 + i).parse().unwrap()
@@ -485,7 +485,7 @@ mod tests {
             Direction::Inbound,
             TcpState::Established,
         );
-        d.age = Duration::from_secs(1000);
+        d.set_age(Duration::from_secs(1000));
         d.set_last_io(Some(Duration::from_secs(1000)), None);
         t.push(d);
         let st = statuses(&t);

@@ -377,9 +377,9 @@ pub fn brief(s: &Socket) -> SocketBrief {
         local: s.local.to_string(),
         peer: s.peer.to_string(),
         state: s.state,
-        age_secs: round_secs(s.age),
+        age_secs: round_secs(s.age()),
         age_exact: s.age_exact,
-        idle_secs: s.idle.map(round_secs),
+        idle_secs: s.idle().map(round_secs),
         pid: s.pid(),
         comm: s.comm().to_string(),
         inode: s.inode,
@@ -402,7 +402,7 @@ pub fn processes<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<Process
 /// Oldest first, at most MAX_SOCKETS.
 pub fn oldest_briefs<'a>(socks: impl IntoIterator<Item = &'a Socket>) -> Vec<SocketBrief> {
     let mut v: Vec<&Socket> = socks.into_iter().collect();
-    v.sort_by_key(|s| std::cmp::Reverse(s.age));
+    v.sort_by_key(|s| std::cmp::Reverse(s.age()));
     v.into_iter().take(MAX_SOCKETS).map(brief).collect()
 }
 

@@ -30,7 +30,7 @@ pub struct PeerCount {
 fn idle_one_end(s: &Socket, cfg: &DetectConfig) -> bool {
     s.state == TcpState::Established
         && s.queues_empty()
-        && s.idle.is_some_and(|i| i >= cfg.idle_established_min_idle)
+        && s.idle().is_some_and(|i| i >= cfg.idle_established_min_idle)
 }
 
 pub fn detect(rel: &Relations<'_>, cfg: &DetectConfig) -> Vec<Finding> {
@@ -79,14 +79,14 @@ fn peers(socks: &[&Socket]) -> (Vec<PeerCount>, usize) {
 
 fn finding(port: u16, socks: &[&Socket]) -> Finding {
     let n = socks.len();
-    let oldest = socks.iter().map(|s| s.age).max().unwrap_or_default();
+    let oldest = socks.iter().map(|s| s.age()).max().unwrap_or_default();
     let oldest_exact = socks
         .iter()
-        .filter(|s| s.age == oldest)
+        .filter(|s| s.age() == oldest)
         .all(|s| s.age_exact);
     let min_idle = socks
         .iter()
-        .filter_map(|s| s.idle)
+        .filter_map(|s| s.idle())
         .min()
         .unwrap_or_default();
     let keepalive_on = socks.iter().filter(|s| s.keepalive).count();
@@ -117,7 +117,7 @@ fn finding(port: u16, socks: &[&Socket]) -> Finding {
     let reap_in = socks
         .iter()
         .filter(|s| s.keepalive)
-        .map(|s| reap_after.saturating_sub(s.idle.unwrap_or_default()))
+        .map(|s| reap_after.saturating_sub(s.idle().unwrap_or_default()))
         .max();
     let ka_rule = format!(
         "tcp_keepalive_time {}s + {} × {}s",
@@ -186,8 +186,8 @@ mod tests {
                 s.skaddr = 1000 + i as u64;
                 s.direction = Direction::Inbound;
                 s.service_port = 8080;
-                s.idle = Some(Duration::from_secs(idle_secs));
-                s.age = Duration::from_secs(idle_secs + i as u64);
+                s.set_idle(Some(Duration::from_secs(idle_secs)));
+                s.set_age(Duration::from_secs(idle_secs + i as u64));
                 s
             })
             .collect()
@@ -294,7 +294,7 @@ mod tests {
         t[0].rx_queue = 1;
         assert!(det(&t, &cfg).is_empty(), "data waiting: not idle");
         let mut t = ghosts(64, 8, 700);
-        t[0].idle = Some(Duration::from_secs(1));
+        t[0].set_idle(Some(Duration::from_secs(1)));
         assert!(det(&t, &cfg).is_empty());
         // The other end of one of them is on this host: stuck_established_pairs' case.
         let mut t = ghosts(64, 8, 700);

@@ -287,8 +287,8 @@ pub(crate) mod testutil {
         let mut s = Socket::new(local, peer, state);
         s.skaddr = (pid as u64) << 20 | local.port() as u64;
         s.inode = local.port() as u64;
-        s.age = Duration::from_secs(600);
-        s.idle = Some(Duration::from_secs(600));
+        s.set_age(Duration::from_secs(600));
+        s.set_idle(Some(Duration::from_secs(600)));
         s.direction = if local.port() < peer.port() {
             Direction::Inbound
         } else {

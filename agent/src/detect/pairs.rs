@@ -42,7 +42,7 @@ pub fn local_pairs<'a>(rel: &Relations<'a>) -> Vec<Pair<'a>> {
 fn stuck(s: &Socket, cfg: &DetectConfig) -> bool {
     s.state == TcpState::Established
         && s.queues_empty()
-        && s.idle.is_some_and(|i| i >= cfg.stuck_pair_min_idle)
+        && s.idle().is_some_and(|i| i >= cfg.stuck_pair_min_idle)
 }
 
 pub fn detect<'a>(rel: &Relations<'a>, cfg: &DetectConfig) -> Vec<Finding> {
@@ -78,12 +78,12 @@ pub fn detect<'a>(rel: &Relations<'a>, cfg: &DetectConfig) -> Vec<Finding> {
         ];
         let oldest = pairs
             .iter()
-            .map(|p| p.client.age.min(p.server.age))
+            .map(|p| p.client.age().min(p.server.age()))
             .max()
             .unwrap_or_default();
         let min_idle = pairs
             .iter()
-            .filter_map(|p| p.client.idle.zip(p.server.idle).map(|(a, b)| a.min(b)))
+            .filter_map(|p| p.client.idle().zip(p.server.idle()).map(|(a, b)| a.min(b)))
             .min()
             .unwrap_or_default();
         let key = format!("{}->{}:{port}", owner_identity(c), owner_identity(s));
@@ -183,8 +183,8 @@ mod tests {
             let cl = format!("10.244.0.3:{}", 40000 + i);
             let mut c = sock(10, "node", &cl, "10.244.0.4:25001", TcpState::Established);
             let mut s = sock(20, "relay", "10.244.0.4:25001", &cl, TcpState::Established);
-            c.idle = Some(Duration::from_secs(400));
-            s.idle = Some(Duration::from_secs(400));
+            c.set_idle(Some(Duration::from_secs(400)));
+            s.set_idle(Some(Duration::from_secs(400)));
             c.direction = Direction::Outbound;
             s.direction = Direction::Inbound;
             t.push(place(c, &a, None));
@@ -219,8 +219,8 @@ mod tests {
         let cl = format!("127.0.0.1:{}", 40000 + i);
         let mut c = sock(10, "node", &cl, "127.0.0.1:25001", TcpState::Established);
         let mut s = sock(20, "relay", "127.0.0.1:25001", &cl, TcpState::Established);
-        c.idle = Some(Duration::from_secs(idle));
-        s.idle = Some(Duration::from_secs(idle));
+        c.set_idle(Some(Duration::from_secs(idle)));
+        s.set_idle(Some(Duration::from_secs(idle)));
         [c, s]
     }
 

@@ -74,7 +74,7 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
             }
             let conns = connections(qcfg, &scope, entry, input.table);
             let quiet = |s: &Socket| {
-                s.state == TcpState::CloseWait || s.idle.is_some_and(|i| i >= cfg.quota_idle_min)
+                s.state == TcpState::CloseWait || s.idle().is_some_and(|i| i >= cfg.quota_idle_min)
             };
             let up = upstream_of(qcfg, entry, &conns, input.table, &other_end);
             // A connection fed through a relay hop is idle only if the hop is idle too.
@@ -115,7 +115,7 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
             let feeding = feeding(&up, &conns, &other_end);
             let orphans = OrphanCounts::of(&feeding, |s| rel.serving(s));
             let procs = processes(ends.iter().copied().chain(up.hops.iter().map(|h| h.origin)));
-            let oldest = conns.iter().map(|s| s.age).max().unwrap_or_default();
+            let oldest = conns.iter().map(|s| s.age()).max().unwrap_or_default();
             let mut summary = summary(qcfg, &scope, entry, &conns, &idle, &other_end, cfg);
             if let Some(text) = super::freed_text(&freed) {
                 summary.push_str(&format!(
@@ -165,7 +165,7 @@ pub fn detect<'a>(input: &Input<'a>, rel: &Relations<'a>) -> Vec<Finding> {
             if !up.hops.is_empty() {
                 f.sockets.truncate(MAX_SOCKETS / 2);
                 let mut hops: Vec<_> = up.hops.iter().collect();
-                hops.sort_by_key(|h| std::cmp::Reverse(h.origin.age.max(h.accepted.age)));
+                hops.sort_by_key(|h| std::cmp::Reverse(h.origin.age().max(h.accepted.age())));
                 f.sockets.extend(
                     hops.iter()
                         .take(MAX_SOCKETS / 4)
@@ -323,8 +323,8 @@ fn verdict(conns: &[&Socket], idle: usize, idle_min: Duration) -> (Verdict, Opti
     }
     let young: Vec<Duration> = conns
         .iter()
-        .filter(|s| s.state != TcpState::CloseWait && s.age < idle_min)
-        .map(|s| idle_min - s.age)
+        .filter(|s| s.state != TcpState::CloseWait && s.age() < idle_min)
+        .map(|s| idle_min - s.age())
         .collect();
     if conns.is_empty() || (idle + young.len()) * 2 <= conns.len() {
         return (Verdict::Load, None);
@@ -406,8 +406,8 @@ limit = 4
                 let cl = format!("127.0.0.1:{}", 40000 + i);
                 let mut c = sock(10, "node", &cl, "127.0.0.1:25001", TcpState::Established);
                 let mut s = sock(20, "relay", "127.0.0.1:25001", &cl, TcpState::Established);
-                c.idle = Some(Duration::from_secs(idle));
-                s.idle = Some(Duration::from_secs(idle));
+                c.set_idle(Some(Duration::from_secs(idle)));
+                s.set_idle(Some(Duration::from_secs(idle)));
                 [c, s]
             })
             .collect()
@@ -508,7 +508,7 @@ limit = 4
         // Default quota_idle_min is 1m: connections 20 s old cannot have been idle for it yet.
         let mut t = relay_table(64, 2);
         for s in &mut t {
-            s.age = Duration::from_secs(20);
+            s.set_age(Duration::from_secs(20));
         }
         let f = &run(&t, 64, 64, &cfgs())[0];
         assert_eq!(f.verdict(), Some(Verdict::Pending));
@@ -530,7 +530,7 @@ limit = 4
         );
         // Once they are older than the threshold, busy connections read as load.
         for s in &mut t {
-            s.age = Duration::from_secs(61);
+            s.set_age(Duration::from_secs(61));
         }
         assert_eq!(run(&t, 64, 64, &cfgs())[0].verdict(), Some(Verdict::Load));
     }

@@ -214,7 +214,7 @@ fn by_timing<'a>(dials: &[&'a Socket], fed: &[(&'a Socket, &'a Socket)]) -> Vec<
         .iter()
         .enumerate()
         .filter(|(_, (a, _))| a.age_exact && a.state == TcpState::Established)
-        .map(|(i, &(a, o))| ((a.pid(), a.age, i), (a, o)))
+        .map(|(i, &(a, o))| ((a.pid(), a.age(), i), (a, o)))
         .collect();
     // Ages are times in the current state: only ESTABLISHED ones date the connection.
     let mut order: Vec<&Socket> = dials
@@ -222,11 +222,11 @@ fn by_timing<'a>(dials: &[&'a Socket], fed: &[(&'a Socket, &'a Socket)]) -> Vec<
         .copied()
         .filter(|d| d.age_exact && d.state == TcpState::Established)
         .collect();
-    order.sort_by_key(|d| d.age);
+    order.sort_by_key(|d| d.age());
     let mut hops = Vec::new();
     for dial in order {
-        let from = (dial.pid(), dial.age, 0);
-        let to = (dial.pid(), dial.age + MATCH_WINDOW, usize::MAX);
+        let from = (dial.pid(), dial.age(), 0);
+        let to = (dial.pid(), dial.age() + MATCH_WINDOW, usize::MAX);
         let Some((&key, &(accepted, origin))) = open.range(from..=to).next() else {
             continue;
         };
@@ -358,8 +358,8 @@ mod tests {
         let mut t = Vec::new();
         let mut add = |mut s: Socket, age: Duration, idle: u64| {
             s.skaddr = 1 + t.len() as u64;
-            s.age = age;
-            s.idle = Some(Duration::from_secs(idle));
+            s.set_age(age);
+            s.set_idle(Some(Duration::from_secs(idle)));
             t.push(s);
         };
         for i in 0..n {

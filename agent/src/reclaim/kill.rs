@@ -209,7 +209,7 @@ fn recheck<'a>(
         return Err(Recheck::NoLongerMatches {
             state: now.state,
             idle: now
-                .idle
+                .idle()
                 .map(crate::present::human)
                 .unwrap_or_else(|| "-".into()),
         });

@@ -64,8 +64,8 @@ pub fn selected(sel: &Selector, s: &Socket) -> bool {
 /// Idle and age thresholds. Unknown ages count as their lower bound (never over-estimated).
 pub fn old_enough(p: &PolicyConfig, s: &Socket) -> bool {
     p.min_idle
-        .is_none_or(|min| s.idle.is_some_and(|i| i >= min))
-        && p.min_age.is_none_or(|min| s.age >= min)
+        .is_none_or(|min| s.idle().is_some_and(|i| i >= min))
+        && p.min_age.is_none_or(|min| s.age() >= min)
 }
 
 /// Why a selected socket must not be touched, whatever the policy says.
@@ -241,8 +241,8 @@ pub fn plan<'a>(
     targets.sort_by(|a, b| {
         orphan(a)
             .cmp(&orphan(b))
-            .then(b.age.cmp(&a.age))
-            .then(b.idle.cmp(&a.idle))
+            .then(b.age().cmp(&a.age()))
+            .then(b.idle().cmp(&a.idle()))
     });
     targets.truncate(p.max_per_round);
     let nothing = targets.is_empty().then(|| {
@@ -402,9 +402,9 @@ pub fn decision(
         container: s.container_id().map(String::from),
         mechanism: None,
         state: s.state,
-        age_secs: crate::present::round_secs(s.age),
+        age_secs: crate::present::round_secs(s.age()),
         age_exact: s.age_exact,
-        idle_secs: s.idle.map(crate::present::round_secs),
+        idle_secs: s.idle().map(crate::present::round_secs),
         quota: quota.clone(),
         agent_pid: std::process::id(),
         round,

@@ -54,7 +54,7 @@ fn proxy(stay: &[u64], left: &[u64]) -> Vec<Socket> {
                 TcpState::Established,
             );
             d.direction = Direction::Inbound;
-            d.age = Duration::from_secs(age);
+            d.set_age(Duration::from_secs(age));
             d.set_last_io(Some(Duration::from_secs(age)), Some(Duration::ZERO));
             t.push(d);
         }
@@ -66,8 +66,8 @@ fn proxy(stay: &[u64], left: &[u64]) -> Vec<Socket> {
             TcpState::Established,
         );
         u.direction = Direction::Outbound;
-        u.age = Duration::from_secs(age) - Duration::from_millis(5);
-        u.set_last_io(Some(u.age), Some(u.age));
+        u.set_age(Duration::from_secs(age) - Duration::from_millis(5));
+        u.set_last_io(Some(u.age()), Some(u.age()));
         t.push(u);
     }
     t
@@ -91,7 +91,7 @@ fn orphaned_upstreams_go_first_and_live_users_keep_theirs() {
     assert!(
         pl.skipped
             .iter()
-            .all(|(s, why)| s.age >= Duration::from_secs(589)
+            .all(|(s, why)| s.age() >= Duration::from_secs(589)
                 && why.contains("serves a connected downstream")),
         "{:?}",
         pl.skipped.iter().map(|(_, w)| w).collect::<Vec<_>>()
@@ -166,7 +166,7 @@ fn node_socks(n: u16) -> Vec<Socket> {
                 "127.0.0.1:25001",
                 TcpState::Established,
             );
-            s.age = Duration::from_secs(100 + i as u64);
+            s.set_age(Duration::from_secs(100 + i as u64));
             s
         })
         .collect()
@@ -176,7 +176,7 @@ fn node_socks(n: u16) -> Vec<Socket> {
 fn oldest_first_capped_and_thresholded() {
     let (p, rc) = policy("trigger = \"quota-saturated\"\nselect = { comm = \"node\", peer_port = 25001, states = [\"ESTABLISHED\"] }\nmin_idle = \"10s\"\nmax_per_round = 8\n");
     let mut t = node_socks(20);
-    t[19].idle = Some(Duration::from_secs(2)); // the oldest is busy: never selected
+    t[19].set_idle(Some(Duration::from_secs(2))); // the oldest is busy: never selected
     t.push(sock(
         11,
         "other",

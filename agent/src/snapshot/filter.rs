@@ -221,7 +221,7 @@ impl Filter {
             && (self.comms.is_empty() || self.comms.iter().any(|c| c == s.comm()))
             && self
                 .idle_min
-                .is_none_or(|min| s.idle.is_some_and(|idle| idle >= min))
+                .is_none_or(|min| s.idle().is_some_and(|idle| idle >= min))
             && (self.netns.is_empty() || self.netns.iter().any(|n| s.netns.matches(n)))
             && (self.containers.is_empty()
                 || s.container_id()

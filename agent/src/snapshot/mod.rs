@@ -77,11 +77,11 @@ pub fn summarize(socks: &[&Socket], idle_threshold: Duration) -> Vec<Group> {
             }
         };
         g.count += 1;
-        if s.age >= g.oldest_age_secs {
-            g.oldest_age_secs = s.age;
+        if s.age() >= g.oldest_age_secs {
+            g.oldest_age_secs = s.age();
         }
         g.oldest_age_exact &= s.age_exact;
-        if s.idle.is_some_and(|i| i >= idle_threshold) {
+        if s.idle().is_some_and(|i| i >= idle_threshold) {
             g.idle_count += 1;
         }
     }
@@ -130,7 +130,7 @@ pub fn sort_for_display(socks: &mut [&Socket]) {
     // tuple, which at 100k sockets was most of the sort.
     socks.sort_by_cached_key(|s| {
         let rank = rank.get(&id(s)).copied().unwrap_or(0) as u128;
-        let age = u64::try_from(s.age.as_nanos()).unwrap_or(u64::MAX);
+        let age = u64::try_from(s.age().as_nanos()).unwrap_or(u64::MAX);
         (rank << 96)
             | (u128::from(s.service_port) << 80)
             | (u128::from(s.state as u8) << 64)
@@ -306,8 +306,8 @@ pub(crate) mod tests {
         s.skaddr = 1;
         s.inode = 1;
         s.cookie = 1;
-        s.age = Duration::from_secs(age);
-        s.idle = Some(Duration::from_secs(idle));
+        s.set_age(Duration::from_secs(age));
+        s.set_idle(Some(Duration::from_secs(idle)));
         s.direction = Direction::Outbound;
         s.service_port = port;
         s.owner = Some(std::sync::Arc::new(Owner {
@@ -343,7 +343,7 @@ pub(crate) mod tests {
         for order in 0..2 {
             if order == 1 {
                 // Interleaved: no two neighbours in one group, where the groups allow it.
-                all.sort_by_key(|s| (s.age, s.service_port));
+                all.sort_by_key(|s| (s.age(), s.service_port));
             }
             let refs: Vec<&Socket> = all.iter().collect();
             let got = summarize(&refs, Duration::from_secs(30));
@@ -354,9 +354,9 @@ pub(crate) mod tests {
                     .entry((s.netns.inode, s.pid(), s.service_port, s.state))
                     .or_insert((0, Duration::ZERO, true, 0));
                 w.0 += 1;
-                w.1 = w.1.max(s.age);
+                w.1 = w.1.max(s.age());
                 w.2 &= s.age_exact;
-                w.3 += usize::from(s.idle.is_some_and(|i| i >= Duration::from_secs(30)));
+                w.3 += usize::from(s.idle().is_some_and(|i| i >= Duration::from_secs(30)));
             }
             assert_eq!(got.len(), want.len(), "order {order}");
             for g in &got {
@@ -474,9 +474,9 @@ pub(crate) mod tests {
                 TcpState::SynSent,
             ][(i / 4) as usize % 5];
             let mut s = sock(pid, comm, st, 80 + (i % 3) as u16, i % 7, 0);
-            s.age += Duration::from_nanos(i * 7919 % 1000);
+            s.set_age(s.age() + Duration::from_millis(i * 7919 % 1000));
             if i % 13 == 0 {
-                s.age = Duration::MAX;
+                s.set_age(Duration::MAX);
             }
             s.inode = i;
             if i % 11 == 0 {
@@ -490,7 +490,7 @@ pub(crate) mod tests {
         plain.sort_by(|a, b| {
             (a.comm(), a.pid(), a.service_port, a.state)
                 .cmp(&(b.comm(), b.pid(), b.service_port, b.state))
-                .then(b.age.cmp(&a.age))
+                .then(b.age().cmp(&a.age()))
         });
         let inodes = |v: &[&Socket]| v.iter().map(|s| s.inode).collect::<Vec<_>>();
         assert_eq!(inodes(&fast), inodes(&plain));
@@ -542,7 +542,7 @@ pub(crate) mod tests {
         let all: Vec<Socket> = (0..9000u64)
             .map(|i| {
                 let mut s = sock(i as u32 % 7, "java", TcpState::CloseWait, 80, i, i % 50);
-                s.age = Duration::from_millis(i * 37);
+                s.set_age(Duration::from_millis(i * 37));
                 s
             })
             .collect();

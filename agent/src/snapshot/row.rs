@@ -56,9 +56,9 @@ fn fields<W: RowWriter>(s: &Socket, w: &mut W) -> Result<(), W::Error> {
     w.endpoint(key!("local"), &s.local)?;
     w.endpoint(key!("peer"), &s.peer)?;
     w.word(key!("state"), s.state.as_str())?;
-    w.secs(key!("age_secs"), Some(s.age))?;
+    w.secs(key!("age_secs"), Some(s.age()))?;
     w.flag(key!("age_exact"), s.age_exact)?;
-    w.secs(key!("idle_secs"), s.idle)?;
+    w.secs(key!("idle_secs"), s.idle())?;
     w.secs(key!("last_recv_secs"), s.last_recv())?;
     w.secs(key!("last_send_secs"), s.last_send())?;
     w.int(key!("rx_queue"), s.rx_queue.into())?;
@@ -270,9 +270,9 @@ mod tests {
             let mut s = Socket::new(local.parse().unwrap(), peer.parse().unwrap(), state);
             s.inode = 1000 + i as u64;
             s.cookie = if i % 2 == 0 { 0 } else { u64::MAX };
-            s.age = Duration::from_micros(123_456_789 * i as u64);
+            s.set_age(Duration::from_micros(123_456_789 * i as u64));
             s.age_exact = i % 2 == 0;
-            s.idle = (i % 2 == 1).then(|| Duration::from_millis(2500));
+            s.set_idle((i % 2 == 1).then(|| Duration::from_millis(2500)));
             s.rx_queue = i as u32;
             s.tx_queue = u32::MAX;
             s.uid = 65534;
@@ -290,7 +290,7 @@ mod tests {
             rows.push(s.clone());
             s.shared_with = vec![99; i].into_boxed_slice();
             // Beyond the seconds fast path (falls back to the float formatter).
-            s.age = Duration::from_secs(2_000_000_000);
+            s.set_age(Duration::from_secs(2_000_000_000));
             rows.push(s);
         }
         for s in &rows {

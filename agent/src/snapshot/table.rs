@@ -181,9 +181,9 @@ impl Cells {
             if !s.age_exact {
                 r.text.extend_from_slice("≥".as_bytes());
             }
-            push_human(r.text, s.age);
+            push_human(r.text, s.age());
             r.end();
-            match s.idle {
+            match s.idle() {
                 Some(d) => {
                     push_human(r.text, d);
                     r.end();
@@ -350,11 +350,11 @@ mod tests {
                 s.peer.to_string(),
                 s.state.to_string(),
                 if s.age_exact {
-                    human(s.age)
+                    human(s.age())
                 } else {
-                    format!("≥{}", human(s.age))
+                    format!("≥{}", human(s.age()))
                 },
-                s.idle.map(human).unwrap_or_else(|| "-".into()),
+                s.idle().map(human).unwrap_or_else(|| "-".into()),
                 s.rx_queue.to_string(),
                 s.tx_queue.to_string(),
             ]);
@@ -412,7 +412,7 @@ mod tests {
             }
             if i % 4 == 1 {
                 s.age_exact = false;
-                s.idle = None;
+                s.set_idle(None);
             }
             if i % 13 == 0 {
                 s.peer = "[2001:db8::1]:443".parse().unwrap();

@@ -10,8 +10,8 @@ use connreap_ebpf::{sock_flags, OwnerRecord, SockRecord, AF_INET};
 use rustc_hash::FxHashMap;
 
 use super::{
-    classify, opt_ms, Direction, Endpoint, HostInfo, Netns, Owner, PortSet, ProcessFacts, Socket,
-    TcpState, NO_MS,
+    classify, Direction, Endpoint, HostInfo, Netns, Owner, PortSet, ProcessFacts, Socket, TcpState,
+    NO_MS,
 };
 
 /// Remembers when the agent first saw each socket whose age the tracker does not know, for a
@@ -63,9 +63,8 @@ impl FirstSeen {
         self.seen = keys;
         for (&row, t) in rows.iter().zip(first) {
             if let Some(s) = table.get_mut(row as usize) {
-                s.age = s
-                    .age
-                    .max(Duration::from_nanos(clock.start_ns.saturating_sub(t)));
+                let bound = Duration::from_nanos(clock.start_ns.saturating_sub(t));
+                s.set_age(s.age().max(bound));
             }
         }
     }
@@ -257,11 +256,10 @@ impl<'a> TableBuilder<'a> {
         sock.skaddr = s.skaddr;
         sock.inode = s.inode;
         sock.cookie = s.cookie;
-        sock.age = age;
+        sock.set_age(age);
         sock.age_exact = age_exact;
         sock.last_recv_ms = last_recv_ms;
         sock.last_send_ms = last_send_ms;
-        sock.idle = opt_ms(last_recv_ms.min(last_send_ms));
         sock.rx_queue = s.rx_queue;
         sock.tx_queue = s.tx_queue;
         sock.uid = s.uid;

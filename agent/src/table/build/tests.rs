@@ -76,9 +76,9 @@ fn merges_owner_age_idle_and_service_port() {
         },
     );
     let cw = t.iter().find(|s| s.state == TcpState::CloseWait).unwrap();
-    assert_eq!(cw.age, Duration::from_secs(60));
+    assert_eq!(cw.age(), Duration::from_secs(60));
     assert!(cw.age_exact);
-    assert_eq!(cw.idle, Some(Duration::from_secs(2)));
+    assert_eq!(cw.idle(), Some(Duration::from_secs(2)));
     assert_eq!(cw.direction, Direction::Inbound);
     assert_eq!(cw.service_port, 8080);
     let o = cw.owner.as_ref().unwrap();
@@ -142,7 +142,7 @@ fn unknown_close_wait_age_is_bounded_by_last_ack() {
     let t = build(&[cw], &[], &HostInfo::default(), &mut fs, NOW, &mut |_| {
         ProcessFacts::default()
     });
-    assert_eq!(t[0].age, Duration::from_secs(12));
+    assert_eq!(t[0].age(), Duration::from_secs(12));
     assert!(!t[0].age_exact);
     assert_eq!(
         (t[0].direction, t[0].service_port),
@@ -163,14 +163,20 @@ fn first_seen_bound_grows_across_scans() {
             ProcessFacts::default()
         })
     };
-    assert_eq!(scan(&mut fs, &[s], 100, 102)[0].age, Duration::ZERO);
+    assert_eq!(scan(&mut fs, &[s], 100, 102)[0].age(), Duration::ZERO);
     // Seen by the end of the first dump (102 s), aged from the second one's start (107 s):
     // the socket may have been created while the first dump ran.
-    assert_eq!(scan(&mut fs, &[s], 107, 108)[0].age, Duration::from_secs(5));
-    assert_eq!(scan(&mut fs, &[s], 110, 111)[0].age, Duration::from_secs(8));
+    assert_eq!(
+        scan(&mut fs, &[s], 107, 108)[0].age(),
+        Duration::from_secs(5)
+    );
+    assert_eq!(
+        scan(&mut fs, &[s], 110, 111)[0].age(),
+        Duration::from_secs(8)
+    );
     // A socket missing from a scan is forgotten.
     scan(&mut fs, &[], 115, 116);
-    assert_eq!(scan(&mut fs, &[s], 120, 121)[0].age, Duration::ZERO);
+    assert_eq!(scan(&mut fs, &[s], 120, 121)[0].age(), Duration::ZERO);
 }
 
 /// Sockets arrive in the kernel's hash order: first-seen bounds and owners must not depend
@@ -229,7 +235,7 @@ fn first_seen_and_owners_in_any_order() {
         for s in &t {
             let a = s.skaddr / 64;
             assert_eq!(
-                s.age,
+                s.age(),
                 Duration::from_secs(now - model[&s.skaddr]),
                 "{a} at {now}"
             );
@@ -294,7 +300,7 @@ fn timewait_age_from_the_kernel_stamp() {
         clock,
         &mut |_| ProcessFacts::default(),
     );
-    let ages: Vec<_> = t.iter().map(|s| (s.age, s.age_exact)).collect();
+    let ages: Vec<_> = t.iter().map(|s| (s.age(), s.age_exact)).collect();
     assert_eq!(
         ages,
         [
@@ -320,5 +326,5 @@ fn time_wait_has_no_idle() {
         NOW,
         &mut |_| ProcessFacts::default(),
     );
-    assert_eq!(t[0].idle, None);
+    assert_eq!(t[0].idle(), None);
 }

@@ -56,8 +56,8 @@ fn a_few_transitions_reach_the_daemon_without_waiting_for_a_full_batch() {
         "connreap_event_batches_flushed_total = {flushed}: the storm was seen, but no partial batch was flushed"
     );
     drop(held);
-    // The kernel side's memory is visible: the event ring (4 MiB) and the state map's buckets.
-    for (map, at_least) in [("events", 4 << 20), ("state", 1 << 20)] {
+    // The kernel side's memory is visible: the event ring (2 MiB) and the state map's buckets.
+    for (map, at_least) in [("events", 2 << 20), ("state", 1 << 20)] {
         let series = format!(r#"connreap_bpf_map_memory_bytes{{map="{map}"}}"#);
         let bytes = agent.metric(&series).unwrap_or(0.0);
         assert!(bytes >= at_least as f64, "{series} = {bytes}");
@@ -73,7 +73,7 @@ fn a_few_transitions_reach_the_daemon_without_waiting_for_a_full_batch() {
 
 /// The BPF programs' rare paths are logged through aya-log into the daemon's own log. With a
 /// pin root of its own (a fresh tracker, counters at 0), `snapshot` attaches the tracker and
-/// leaves it pinned with no reader; loopback churn then overflows the 4 MiB event ring. The
+/// leaves it pinned with no reader; loopback churn then overflows the 2 MiB event ring. The
 /// daemon started afterwards reads the programs' log ring: its stderr names the loss (target
 /// `connreap::bpf`), and the drops are in `connreap_bpf_ring_drops_total`.
 #[test]
@@ -94,7 +94,7 @@ fn a_ring_overflow_with_no_reader_reaches_the_daemons_log_through_aya_log() {
     assert!(out.status.success(), "snapshot failed: {out:?}");
 
     // Each connect-and-reset sends several transitions (~64 bytes each) into the ring; 20k
-    // of them are well over 4 MiB. The reset (SO_LINGER 0) leaves no TIME_WAIT behind, so the
+    // of them are well over 2 MiB. The reset (SO_LINGER 0) leaves no TIME_WAIT behind, so the
     // ephemeral ports never run out.
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap();
