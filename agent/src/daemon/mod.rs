@@ -70,6 +70,9 @@ pub async fn run(cfg: Config, source: String, verbose: bool) -> anyhow::Result<(
     let mut kernel =
         tokio::task::spawn_blocking(move || Kernel::load_sized(verbose, Some(max_tracked)))
             .await??;
+    // CPU per scan is what counts here, not a scan's wall time: big dumps are read and
+    // decoded on the scanning thread, with no hand-over between threads per read.
+    kernel.set_reading(kernel::Reading::OneThread);
 
     // The transition ring: its reader counts active opens for the scan loop's storm detector
     // and the outcomes of outbound connections for its failing-upstream detector.

@@ -27,15 +27,33 @@ const BIG: usize = 16 * 1024;
 /// Buffers in flight between the reading thread and the decoding one.
 const BUFFERS: usize = 4;
 
+/// How a big dump is read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Reading {
+    /// A second thread reads while this one decodes (see [`pipelined`]): the wall time of a
+    /// one-shot `snapshot` is about the kernel's part alone.
+    #[default]
+    Pipelined,
+    /// Read and decode on this thread, one read after the other: no hand-over between
+    /// threads per read (a wake-up and a context switch each, ~350 per dump at 100k
+    /// sockets). The daemon reads so: its CPU per scan is what counts there, not a scan's
+    /// wall time (BENCHMARKS.md: 126-131 against 136-151 ms per scan at 100k idle sockets).
+    OneThread,
+}
+
 /// Run `it` and hand the bytes read so far to `decode`, which returns how many of them it
 /// consumed (whole records) and how many records those were; the rest is kept for the next
 /// read.
-fn run(it: &mut Iter, decode: impl FnMut(&[u8]) -> (usize, usize)) -> Result<Dump, IterError> {
+fn run(
+    it: &mut Iter,
+    reading: Reading,
+    decode: impl FnMut(&[u8]) -> (usize, usize),
+) -> Result<Dump, IterError> {
     let start = Instant::now();
     let id = it.attach()?;
     let link = it.take_link(id)?;
     let file = link.into_file()?;
-    let mut dump = read_all(file, decode)?;
+    let mut dump = read_all(file, reading, decode)?;
     dump.total = start.elapsed();
     Ok(dump)
 }
@@ -43,6 +61,7 @@ fn run(it: &mut Iter, decode: impl FnMut(&[u8]) -> (usize, usize)) -> Result<Dum
 /// Read `file` to its end, decoding as [`run`] says (`total` left 0).
 fn read_all(
     mut file: impl std::io::Read + Send,
+    reading: Reading,
     decode: impl FnMut(&[u8]) -> (usize, usize),
 ) -> std::io::Result<Dump> {
     let mut dump = Dump::default();
@@ -54,7 +73,7 @@ fn read_all(
     let n = read_chunk(&mut file, &mut buf, &mut dump.in_kernel)?;
     if n > 0 {
         carry.feed(&buf[..n], &mut dump);
-        if n >= BIG {
+        if n >= BIG && reading == Reading::Pipelined {
             pipelined(file, buf, &mut carry, &mut dump)?;
         } else {
             loop {
@@ -150,8 +169,12 @@ fn pipelined<R: std::io::Read + Send>(
 }
 
 /// A dump of fixed-size records, each handed to `f`.
-pub(super) fn fixed<T: aya::Pod>(it: &mut Iter, mut f: impl FnMut(T)) -> Result<Dump, IterError> {
-    run(it, |buf| {
+pub(super) fn fixed<T: aya::Pod>(
+    it: &mut Iter,
+    reading: Reading,
+    mut f: impl FnMut(T),
+) -> Result<Dump, IterError> {
+    run(it, reading, |buf| {
         let whole = buf.len() - buf.len() % std::mem::size_of::<T>();
         let mut n = 0;
         records::<T>(&buf[..whole]).for_each(|r| {
@@ -172,8 +195,12 @@ pub enum Owned {
 
 /// A dump of owner records, each followed by its socket's record where `netns` is set (see
 /// [`OwnerRecord::netns`]); records counts the owners.
-pub(super) fn owned(it: &mut Iter, mut f: impl FnMut(Owned)) -> Result<Dump, IterError> {
-    run(it, |buf| decode_owned(buf, &mut f))
+pub(super) fn owned(
+    it: &mut Iter,
+    reading: Reading,
+    mut f: impl FnMut(Owned),
+) -> Result<Dump, IterError> {
+    run(it, reading, |buf| decode_owned(buf, &mut f))
 }
 
 /// Decode the whole records at the start of `buf`: (bytes used, records).
@@ -260,15 +287,21 @@ mod tests {
     }
 
     /// Small dumps (read here) and big ones (read on a second thread, through recycled
-    /// buffers), cut anywhere: every record once, in order; a failed read is the dump's error.
+    /// buffers, or on this one), cut anywhere: every record once, in order; a failed read is
+    /// the dump's error.
     #[test]
     fn every_record_once_in_order_however_the_reads_cut_them() {
-        for (n, sizes) in [
+        let cuts = [
             (3u64, vec![1, 2, 5]),
             (300, vec![7000]),
             (20_000, vec![32 * 1024, 17, 40_000, 1, 12_345]),
             (20_000, vec![BIG, CHUNK]),
-        ] {
+        ];
+        let both = [Reading::Pipelined, Reading::OneThread];
+        for (reading, (n, sizes)) in both
+            .into_iter()
+            .flat_map(|r| cuts.iter().map(move |c| (r, c.clone())))
+        {
             let data = owners_stream(n);
             let mut seen = Vec::new();
             let file = Chunky {
@@ -278,7 +311,7 @@ mod tests {
                 reads: 0,
                 fail_after: None,
             };
-            let dump = read_all(file, |buf| {
+            let dump = read_all(file, reading, |buf| {
                 decode_owned(buf, &mut |o| {
                     if let Owned::Owner(o) = o {
                         seen.push(o.skaddr)
@@ -286,10 +319,13 @@ mod tests {
                 })
             })
             .unwrap();
-            assert_eq!(dump.records as u64, n);
-            assert_eq!(seen, (1..=n).collect::<Vec<_>>());
+            assert_eq!(dump.records as u64, n, "{reading:?}");
+            assert_eq!(seen, (1..=n).collect::<Vec<_>>(), "{reading:?}");
         }
-        for fail_after in [0, 1000, 300_000] {
+        for (reading, fail_after) in both
+            .into_iter()
+            .flat_map(|r| [0, 1000, 300_000].map(|f| (r, f)))
+        {
             let file = Chunky {
                 data: owners_stream(20_000),
                 at: 0,
@@ -297,8 +333,8 @@ mod tests {
                 reads: 0,
                 fail_after: Some(fail_after),
             };
-            let err = read_all(file, |buf| decode_owned(buf, &mut |_| ())).unwrap_err();
-            assert_eq!(err.to_string(), "the iterator failed");
+            let err = read_all(file, reading, |buf| decode_owned(buf, &mut |_| ())).unwrap_err();
+            assert_eq!(err.to_string(), "the iterator failed", "{reading:?}");
         }
     }
 
@@ -317,7 +353,7 @@ mod tests {
             };
             let mut calls = 0;
             let result = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
-                read_all(file, |buf| {
+                read_all(file, Reading::Pipelined, |buf| {
                     calls += 1;
                     assert!(calls < 3, "a decoder bug");
                     decode_owned(buf, &mut |_| ())

@@ -118,6 +118,7 @@ impl Kernel {
             verbose,
             hz: hz::kernel_hz(),
             set_bits,
+            reading: super::Reading::default(),
         })
     }
 

@@ -31,7 +31,7 @@ pub mod sweep;
 mod too_old;
 mod tracker;
 
-pub use dump::{Dump, Owned};
+pub use dump::{Dump, Owned, Reading};
 use error::program_error;
 pub use error::{IterError, KernelError};
 pub(crate) use load::with_pinned_maps;
@@ -128,6 +128,8 @@ pub struct Kernel {
     pub hz: u32,
     /// log2 of the state table's sets (its size, see [`load::set_bits_for`]).
     set_bits: u32,
+    /// How big dumps are read: pipelined unless the caller sets otherwise.
+    reading: dump::Reading,
 }
 
 /// The object's maps this process uses, by name: taken from the loaded object on a first load,
@@ -204,10 +206,18 @@ impl Kernel {
     /// Run an iterator and hand each complete record to `f` as it is read.
     fn run_iter<T: aya::Pod>(
         it: &mut Iter,
+        reading: dump::Reading,
         what: &'static str,
         f: impl FnMut(T),
     ) -> Result<Dump, KernelError> {
-        dump::fixed(it, f).map_err(KernelError::iterate(what))
+        dump::fixed(it, reading, f).map_err(KernelError::iterate(what))
+    }
+
+    /// Read big dumps on the calling thread alone (the daemon, where CPU per scan counts),
+    /// or pipelined on two (the default: a one-shot snapshot's wall time). See
+    /// [`dump::Reading`].
+    pub fn set_reading(&mut self, reading: dump::Reading) {
+        self.reading = reading;
     }
 
     /// Every TCP socket of each of `spaces`, one record at a time: `f` gets
@@ -220,7 +230,7 @@ impl Kernel {
         spaces: &[netns::Namespace],
         f: impl FnMut(NsEvent<'_>) + Send,
     ) -> Result<SocketDump, KernelError> {
-        Self::sockets_in(&mut self.iter_tcp, spaces, |_| true, f)
+        Self::sockets_in(&mut self.iter_tcp, self.reading, spaces, |_| true, f)
     }
 
     /// [`Kernel::for_each_socket`], but a namespace is dumped only when `walk`, asked inside
@@ -231,11 +241,12 @@ impl Kernel {
         walk: impl FnMut(&netns::Namespace) -> bool + Send,
         f: impl FnMut(NsEvent<'_>) + Send,
     ) -> Result<SocketDump, KernelError> {
-        Self::sockets_in(&mut self.iter_tcp, spaces, walk, f)
+        Self::sockets_in(&mut self.iter_tcp, self.reading, spaces, walk, f)
     }
 
     fn sockets_in(
         it: &mut Iter,
+        reading: dump::Reading,
         spaces: &[netns::Namespace],
         mut walk: impl FnMut(&netns::Namespace) -> bool + Send,
         mut f: impl FnMut(NsEvent<'_>) + Send,
@@ -249,7 +260,7 @@ impl Kernel {
                 out.quiet += 1;
                 return;
             }
-            match Self::run_iter(it, "iter/tcp", |r| f(NsEvent::Socket(r))) {
+            match Self::run_iter(it, reading, "iter/tcp", |r| f(NsEvent::Socket(r))) {
                 Ok(d) => {
                     out.dump.records += d.records;
                     out.dump.in_kernel += d.in_kernel;
@@ -280,7 +291,7 @@ impl Kernel {
 
     /// Every (socket, process) pair on the host, one record at a time.
     pub fn for_each_owner(&mut self, f: impl FnMut(OwnerRecord)) -> Result<Dump, KernelError> {
-        Self::run_iter(&mut self.iter_files, "iter/task_file", f)
+        Self::run_iter(&mut self.iter_files, self.reading, "iter/task_file", f)
     }
 
     /// Every (socket, process) pair on the host like [`Kernel::for_each_owner`], and with it
@@ -292,7 +303,7 @@ impl Kernel {
         &mut self,
         f: impl FnMut(Owned),
     ) -> Result<Dump, KernelError> {
-        dump::owned(&mut self.iter_netns_socks, f).map_err(KernelError::iterate(
+        dump::owned(&mut self.iter_netns_socks, self.reading, f).map_err(KernelError::iterate(
             "iter/task_file (owners, other namespaces)",
         ))
     }
@@ -309,22 +320,25 @@ impl Kernel {
         elsewhere: bool,
         mut on_owner: impl FnMut(Owned) + Send,
     ) -> Result<(SocketDump, Dump), KernelError> {
-        let (iter_tcp, iter_files, iter_netns_socks) = (
+        let (iter_tcp, iter_files, iter_netns_socks, reading) = (
             &mut self.iter_tcp,
             &mut self.iter_files,
             &mut self.iter_netns_socks,
+            self.reading,
         );
         std::thread::scope(|scope| {
             let owners = scope.spawn(move || {
                 if elsewhere {
-                    dump::owned(iter_netns_socks, on_owner).map_err(KernelError::iterate(
+                    dump::owned(iter_netns_socks, reading, on_owner).map_err(KernelError::iterate(
                         "iter/task_file (owners, other namespaces)",
                     ))
                 } else {
-                    Self::run_iter(iter_files, "iter/task_file", |o| on_owner(Owned::Owner(o)))
+                    Self::run_iter(iter_files, reading, "iter/task_file", |o| {
+                        on_owner(Owned::Owner(o))
+                    })
                 }
             });
-            let sockets = Self::sockets_in(iter_tcp, spaces, |_| true, on_socket);
+            let sockets = Self::sockets_in(iter_tcp, reading, spaces, |_| true, on_socket);
             let owners = owners.join().unwrap_or_else(|_| {
                 Err(KernelError::iterate("iter/task_file")(IterError::Panicked))
             });
