@@ -120,8 +120,8 @@ pub const MAX_SET_BITS: u32 = 18;
 pub const STATE_WAYS: usize = 16;
 /// Ring buffer size for transition events (must be a power of two multiple of the page size).
 /// The daemon maps the ring twice (records that wrap stay contiguous), and the kernel maps
-/// every page up front, so each MiB here is 2 MiB of the daemon's VmRSS. 2 MiB dropped nothing
-/// at about 26k connections a second beside 100k-socket scans (BENCHMARKS.md).
+/// every page up front, so each MiB here is 2 MiB of the daemon's VmRSS. BENCHMARKS.md has the
+/// drops measured under churn at this size.
 pub const EVENTS_RING_BYTES: u32 = 1 << 21;
 
 /// Byte offsets of the kernel struct members the programs read, resolved by the loader from the

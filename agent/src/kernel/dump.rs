@@ -37,7 +37,7 @@ pub enum Reading {
     /// Read and decode on this thread, one read after the other: no hand-over between
     /// threads per read (a wake-up and a context switch each, ~350 per dump at 100k
     /// sockets). The daemon reads so: its CPU per scan is what counts there, not a scan's
-    /// wall time (BENCHMARKS.md: 126-131 against 136-151 ms per scan at 100k idle sockets).
+    /// wall time (BENCHMARKS.md has the two side by side).
     OneThread,
 }
 

@@ -439,8 +439,8 @@ impl Socket {
         opt_ms(self.last_send_ms)
     }
     /// Time since data was last sent or received (None for TIME_WAIT / request sockets). Not
-    /// a field of its own: the row is 16 bytes smaller (1.6 MB of the daemon's memory at 100k
-    /// sockets).
+    /// a field of its own: derived, it cannot disagree with the two times, and the row (one
+    /// per socket in the daemon) is 16 bytes smaller.
     pub fn idle(&self) -> Option<Duration> {
         opt_ms(self.last_recv_ms.min(self.last_send_ms))
     }
