@@ -23,7 +23,10 @@ use super::{ends::Ends, upstream::MATCH_WINDOW};
 use crate::table::{Direction, Socket, TcpState};
 
 /// How much earlier than its downstream an upstream may seem to start (jiffy ticks, an accept
-/// completed on another CPU).
+/// completed on another CPU), here and in the hop's timing match (`upstream::by_timing`). Each
+/// age is also read at its own moment of a dump (the sweep reads the clock once per run of
+/// sets, `iter/tcp` once per socket): a dial made in the jiffy of its accept, read a jiffy
+/// later, reads older than the accept.
 pub const TOLERANCE: Duration = Duration::from_millis(100);
 
 /// Whether an upstream connection still serves a connected downstream.

@@ -15,7 +15,7 @@ use std::{
 use rustc_hash::FxHashMap;
 use serde::Serialize;
 
-use super::downstream::Orphan;
+use super::downstream::{Orphan, TOLERANCE};
 use crate::table::{Direction, Socket, TcpState};
 
 /// Longest time between a holder accepting a connection and the connection it dials for it
@@ -205,9 +205,11 @@ pub fn mapped<'a>(conns: &[&'a Socket], other_end: &FxHashMap<u64, &'a Socket>) 
 }
 
 /// Each dial (youngest first) takes the youngest unmatched accept of the same holder that is
-/// older, by at most [`MATCH_WINDOW`]: one-to-one, each dial to the accept it was made for
-/// when the holder dials right after accepting. Sockets whose age is only a lower bound take
-/// no part.
+/// older, by at most [`MATCH_WINDOW`] (or reads younger by at most [`TOLERANCE`]): one-to-one,
+/// each dial to the accept it was made for when the holder dials right after accepting; within
+/// a burst, where those are too close to tell apart, to one of them. Dials in age order, each
+/// taking the youngest accept it may, match as many as any pairing can (every dial's range of
+/// accept ages is as long). Sockets whose age is only a lower bound take no part.
 fn by_timing<'a>(dials: &[&'a Socket], fed: &[(&'a Socket, &'a Socket)]) -> Vec<Hop<'a>> {
     // Per holder pid: unmatched accepts by (age, index).
     let mut open: BTreeMap<(Option<u32>, Duration, usize), (&Socket, &Socket)> = fed
@@ -225,7 +227,7 @@ fn by_timing<'a>(dials: &[&'a Socket], fed: &[(&'a Socket, &'a Socket)]) -> Vec<
     order.sort_by_key(|d| d.age());
     let mut hops = Vec::new();
     for dial in order {
-        let from = (dial.pid(), dial.age(), 0);
+        let from = (dial.pid(), dial.age().saturating_sub(TOLERANCE), 0);
         let to = (dial.pid(), dial.age() + MATCH_WINDOW, usize::MAX);
         let Some((&key, &(accepted, origin))) = open.range(from..=to).next() else {
             continue;
@@ -543,6 +545,32 @@ mod tests {
             .collect();
         let f = run(&split, false);
         assert!(f.upstream().is_empty(), "{:?}", f.upstream());
+    }
+
+    /// Ages read at different moments of one dump: each relay dial, made 10 ms after its
+    /// accept, reads 4 ms (a jiffy) older than it. Every dial is still matched by timing, in
+    /// a burst and one stream at a time.
+    #[test]
+    fn dials_that_read_older_than_their_accepts_still_match() {
+        for gap_ms in [1, 3000] {
+            let mut t = chain(64, gap_ms, 360, 360);
+            for s in t
+                .iter_mut()
+                .filter(|s| s.peer.port() == 21000 || s.local.port() == 21000)
+            {
+                s.set_age(s.age() + Duration::from_millis(14));
+            }
+            let f = run(&t, false);
+            let u = f.upstream();
+            assert_eq!(
+                u.iter()
+                    .map(|u| (u.pid, u.count, u.matched_by))
+                    .collect::<Vec<_>>(),
+                [(Some(10), 64, MatchedBy::Timing)],
+                "gap {gap_ms} ms: {}",
+                f.summary
+            );
+        }
     }
 
     #[test]
