@@ -1,6 +1,7 @@
 //! Kernel memory held by the pinned maps, as the kernel accounts it (`memlock:` in
 //! `/proc/self/fdinfo/<fd>`), for `connreap_bpf_map_memory_bytes`; and other fdinfo fields.
 //! The fds opened here also keep the shared maps for re-pinning them (see `tracker`).
+//! Also the daemon's one memory hint to the kernel: huge pages for a scan's table.
 use std::{
     fs,
     os::fd::{AsFd as _, AsRawFd as _, BorrowedFd},
@@ -43,6 +44,28 @@ impl MapMemory {
             .iter()
             .filter_map(|(pin, map)| Some((*pin, fdinfo_u64(map.fd().as_fd(), "memlock")?)))
             .collect()
+    }
+}
+
+/// Ask the kernel for transparent huge pages under the spare capacity of `v` (its 2 MiB-aligned
+/// part), before that memory is first written. A scan builds its table in fresh memory (14 MB
+/// at 100k sockets), and faulting it in 4 KiB at a time took about a tenth of the idle daemon's
+/// CPU (BENCHMARKS.md). A hint only: where THP is `never`, or the range holds no whole huge
+/// page, nothing changes, and a refusal is not an error.
+pub fn advise_huge_pages<T>(v: &mut Vec<T>) {
+    const HUGE: usize = 2 << 20;
+    let size = std::mem::size_of::<T>();
+    let base = v.as_mut_ptr() as usize;
+    let lo = (base + v.len() * size).next_multiple_of(HUGE);
+    let hi = (base + v.capacity() * size) & !(HUGE - 1);
+    if hi <= lo {
+        return;
+    }
+    // SAFETY: [lo, hi) lies inside the Vec's own allocation; MADV_HUGEPAGE changes only how
+    // the kernel backs those pages, never their contents.
+    let r = unsafe { libc::madvise(lo as *mut libc::c_void, hi - lo, libc::MADV_HUGEPAGE) };
+    if r != 0 {
+        tracing::trace!(error = %std::io::Error::last_os_error(), "no huge pages for the table");
     }
 }
 

@@ -35,6 +35,7 @@ pub use dump::{Dump, Owned, Reading};
 use error::program_error;
 pub use error::{IterError, KernelError};
 pub(crate) use load::with_pinned_maps;
+pub use memory::advise_huge_pages;
 pub use pins::unpin_all;
 pub use tracker::TrackerStatus;
 

@@ -16,6 +16,7 @@ use std::{
 use crate::{
     containers::{self, ContainerNames, PodNames},
     kernel::{
+        advise_huge_pages,
         netns::{self, FindError, Namespace},
         procfs, Kernel, KernelError, NsEvent, Owned,
     },
@@ -171,7 +172,10 @@ impl Scanner {
         // Taken now: a scan that fails after taking the kept holders leaves no dump to reuse,
         // so the next scan dumps.
         let last_dump = self.dumped.take();
-        let mut b = TableBuilder::new(&self.host, &mut self.first_seen, self.last_len, start_ns);
+        // Room for some growth: a table that outgrows its capacity is copied whole.
+        let mut rows = Vec::with_capacity(self.last_len + self.last_len / 16 + 64);
+        advise_huge_pages(&mut rows);
+        let mut b = TableBuilder::into_rows(&self.host, &mut self.first_seen, rows, start_ns);
         self.walks.scans += 1;
         // Every namespace (or those asked for), rediscovered on each scan: pods come and go.
         let every = self.only.is_empty();

@@ -136,19 +136,22 @@ pub struct TableBuilder<'a> {
 }
 
 impl<'a> TableBuilder<'a> {
-    /// `start_ns`: when the socket dump begins (CLOCK_MONOTONIC ns, read before it).
-    pub fn new(
+    /// Build into `rows` (its capacity sizes the scan's lists; the caller may have advised
+    /// the kernel on its memory). `start_ns`: when the socket dump begins (CLOCK_MONOTONIC ns,
+    /// read before it).
+    pub fn into_rows(
         host: &'a HostInfo,
         first_seen: &'a mut FirstSeen,
-        capacity: usize,
+        mut rows: Vec<Socket>,
         start_ns: u64,
     ) -> Self {
+        rows.clear();
         TableBuilder {
             host,
             first_seen,
             parts: Vec::new(),
-            row_part: Vec::with_capacity(capacity),
-            table: Vec::with_capacity(capacity),
+            row_part: Vec::with_capacity(rows.capacity()),
+            table: rows,
             unaged: Vec::new(),
             unaged_rows: Vec::new(),
             start_ns,
@@ -366,7 +369,12 @@ fn build_kept(
     clock: Clock,
     facts_of: &mut dyn FnMut(u32) -> ProcessFacts,
 ) -> Vec<Socket> {
-    let mut b = TableBuilder::new(host, first_seen, socks.len(), clock.start_ns);
+    let mut b = TableBuilder::into_rows(
+        host,
+        first_seen,
+        Vec::with_capacity(socks.len()),
+        clock.start_ns,
+    );
     for s in socks {
         b.push(s);
     }
