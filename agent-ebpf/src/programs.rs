@@ -112,21 +112,28 @@ fn offsets_unset(program: &str) {
     );
 }
 
-/// `T` at kernel address `addr`, zero when it cannot be read. Branch-free: the helper zeroes
-/// its destination when the read fails, so its result is not looked at (a branch per read
-/// would give the verifier two states per read to explore, and 6.1's gives up on the sweep).
+/// `T` (a plain integer, or an array of them) at kernel address `addr`, zero when it cannot be
+/// read. Branch-free: the helper zeroes its destination when the read fails, so its result is
+/// not looked at (a branch per read would give the verifier two states per read to explore,
+/// and 6.1's gives up on the sweep).
+///
+/// The destination is not zeroed first: the helper writes all of it either way (the verifier
+/// treats it as uninitialised memory the helper fills). Zeroing it cost a byte-by-byte
+/// `memset` loop for arrays (the BPF target has no wider one): 128 stores per socket for the
+/// sweep's span of `sock_common`.
 #[inline(always)]
-pub(crate) fn read<T: Default>(addr: u64) -> T {
-    let mut v = T::default();
-    // SAFETY: bpf_probe_read_kernel tolerates any address and fails cleanly, zeroing `v`.
+pub(crate) fn read<T: Copy + Default>(addr: u64) -> T {
+    let mut v = core::mem::MaybeUninit::<T>::uninit();
+    // SAFETY: bpf_probe_read_kernel tolerates any address and fails cleanly; it fills all of
+    // `v` with the bytes read or with zeros, and every bit pattern is a valid T here.
     unsafe {
         gen::bpf_probe_read_kernel(
-            &mut v as *mut T as *mut c_void,
+            v.as_mut_ptr() as *mut c_void,
             core::mem::size_of::<T>() as u32,
             addr as *const c_void,
-        )
-    };
-    v
+        );
+        v.assume_init()
+    }
 }
 
 /// A field of the socket the tracepoint passes, loaded directly: `sk` is a trusted BTF pointer
