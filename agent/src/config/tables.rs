@@ -30,7 +30,8 @@ settings! {
         /// carried from its last walk, and a walk that would read nothing else is skipped.
         /// Also the longest the daemon reuses its last owner dump (which process holds which
         /// socket: a pass over every process's files) while nothing that changes owners is
-        /// counted (no TCP state change, no process started or reaped; docs/containers.md).
+        /// counted (no TCP state change, no holder reaped, no process started with a socket;
+        /// docs/containers.md).
         /// 0s: every namespace and every process's files on every scan.
         #[serde(with = "humantime_serde")]
         netns_walk_interval: Duration = secs(60), range(secs(0), secs(HOUR));

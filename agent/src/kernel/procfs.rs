@@ -87,24 +87,40 @@ pub fn process_comm(pid: u32) -> Option<String> {
 }
 
 /// The processes of this PID namespace (the host's, for the daemon: see hostPID in the
-/// Kubernetes manifest) as one number that changes when any process starts or is reaped: a
-/// hash of the sorted numeric entries of /proc (thread groups; threads are not listed).
-/// None when /proc cannot be listed.
-pub fn processes() -> Option<u64> {
+/// Kubernetes manifest), sorted: the numeric entries of /proc (thread groups; threads are not
+/// listed). None when /proc cannot be listed.
+pub fn processes() -> Option<Vec<u32>> {
     let mut pids: Vec<u32> = fs::read_dir("/proc")
         .ok()?
         .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
         .collect();
-    Some(fingerprint(&mut pids))
+    pids.sort_unstable();
+    Some(pids)
 }
 
-/// The number [`processes`] gives for a set of pids.
-pub fn fingerprint(pids: &mut [u32]) -> u64 {
-    use std::hash::{Hash as _, Hasher as _};
-    pids.sort_unstable();
-    let mut h = std::collections::hash_map::DefaultHasher::new();
-    pids.hash(&mut h);
-    h.finish()
+/// Whether process `pid` has a socket of any kind among its descriptors (a `socket:[N]` link
+/// in /proc/PID/fd). A process that is gone has none; one whose descriptors cannot be read
+/// is taken to have some.
+pub fn holds_sockets(pid: u32) -> bool {
+    use std::{io::ErrorKind::NotFound, os::unix::ffi::OsStrExt as _};
+    let dir = match fs::read_dir(format!("/proc/{pid}/fd")) {
+        Ok(dir) => dir,
+        Err(e) if e.kind() == NotFound => return false,
+        Err(_) => return true,
+    };
+    for entry in dir {
+        let Ok(entry) = entry else {
+            return true;
+        };
+        match fs::read_link(entry.path()) {
+            Ok(link) if link.as_os_str().as_bytes().starts_with(b"socket:") => return true,
+            Ok(_) => {}
+            // Closed since the listing.
+            Err(e) if e.kind() == NotFound => {}
+            Err(_) => return true,
+        }
+    }
+    false
 }
 
 /// CLOCK_MONOTONIC in ns.
@@ -199,18 +215,28 @@ mod tests {
     }
 
     #[test]
-    fn the_process_fingerprint_changes_with_the_set_only() {
-        assert_eq!(fingerprint(&mut [3, 1, 2]), fingerprint(&mut [1, 2, 3]));
-        assert_ne!(fingerprint(&mut [1, 2, 3]), fingerprint(&mut [1, 2]));
-        assert_ne!(fingerprint(&mut [1, 2, 3]), fingerprint(&mut [1, 2, 4]));
+    fn processes_are_listed_sorted_and_a_new_one_is_seen_with_its_sockets() {
         let before = processes().expect("/proc lists");
+        assert!(before.windows(2).all(|w| w[0] < w[1]), "sorted, no repeats");
+        assert!(before.contains(&std::process::id()));
         let mut child = std::process::Command::new("sleep")
             .arg("5")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
             .spawn()
             .expect("sleep");
         let during = processes().expect("/proc lists");
+        assert!(during.contains(&child.id()) && !before.contains(&child.id()));
+        // `sleep` with its standard streams on /dev/null has no socket; this process, with a
+        // listener open, has one.
+        assert!(!holds_sockets(child.id()));
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+        assert!(holds_sockets(std::process::id()));
+        drop(listener);
         child.kill().expect("kill");
         child.wait().expect("reap");
-        assert_ne!(before, during, "a new process changes it");
+        // Gone (reaped): none.
+        assert!(!holds_sockets(child.id()));
     }
 }

@@ -246,9 +246,11 @@ impl Scanner {
             && sweeps
             && owners::reusable(
                 last_dump.as_ref(),
-                counts,
+                counts.as_ref(),
                 self.walks.every - 1,
                 self.pending_accept,
+                |pid| self.held.holds(pid),
+                procfs::holds_sockets,
             );
         // A scan looks for hidden namespaces when its owner dump reads other namespaces'
         // sockets anyway, when one of the last scan's was not discovered, and once per walk
@@ -394,10 +396,11 @@ impl Scanner {
         };
         let table = b.finish(&mut holders, end_ns, &mut facts_of);
         self.held = holders;
+        // A reused dump is compared with this scan's processes next: those it looked into.
         self.dumped = match (reuse, last_dump) {
             (true, Some(d)) => Some(owners::Dumped {
+                at: counts.unwrap_or(d.at),
                 reused: d.reused + 1,
-                ..d
             }),
             _ => counts.map(|at| owners::Dumped { at, reused: 0 }),
         };

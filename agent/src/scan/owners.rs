@@ -10,7 +10,12 @@
 //!   the next dump (`pending_accept`);
 //! - a process is created (it inherits its parent's files) or reaped: the set of processes
 //!   listed in /proc changes (a new thread shares its process's files and changes nothing;
-//!   forks cannot be counted instead: the daemon's own threads are forks);
+//!   forks cannot be counted instead: the daemon's own threads are forks). Such a change
+//!   still leaves the owners as they were when every reaped process held none of the last
+//!   dump's sockets and every new one has no socket at all among its descriptors
+//!   (/proc/PID/fd, read for at most [`MAX_NEW_PROCESSES`] new processes): a cron job, a
+//!   shell, an exec'd health check that has not opened its connection yet (when it does, the
+//!   transition forces a dump);
 //! - a descriptor is duplicated, closed while a duplicate stays open, or passed over a Unix
 //!   socket: nothing counts these; the last dump is reused at most `max_reuse` scans in a row
 //!   (one walk period), so such a change shows within one `netns_walk_interval`.
@@ -21,34 +26,78 @@ use crate::table::{Socket, TcpState};
 
 /// What the kernel counted when a dump was taken (or now), to tell whether owners can have
 /// changed since.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Counts {
     /// TCP state transitions the tracker has seen (all CPUs).
     pub transitions: u64,
-    /// The processes listed in /proc, as `procfs::processes` fingerprints them.
-    pub processes: u64,
+    /// The processes listed in /proc, sorted (`procfs::processes`).
+    pub processes: Vec<u32>,
 }
 
-/// The last owner dump's counts, and how many scans in a row have reused it.
-#[derive(Debug, Clone, Copy)]
+/// The last owner dump's counts (or those of the last scan that reused it), and how many
+/// scans in a row have reused it.
+#[derive(Debug, Clone)]
 pub struct Dumped {
     pub at: Counts,
     pub reused: u64,
 }
 
+/// Most new processes a scan looks into before it reuses a dump; more than this and it dumps
+/// (reading their descriptors would cost about what the dump does).
+pub const MAX_NEW_PROCESSES: usize = 64;
+
 /// Whether this scan may reuse the dump `last` (None: there is none, or it cannot be trusted)
 /// given the counts `now` (None: a count could not be read), at most `max_reuse` scans in a
 /// row, when the last table had a socket waiting to be accepted (`pending_accept`) or not.
+/// Across a change of processes: `held(pid)`, whether a process held a socket in the last
+/// dump, and `has_sockets(pid)`, whether a new process has any socket (asked only of new
+/// processes, at most [`MAX_NEW_PROCESSES`]).
 pub fn reusable(
     last: Option<&Dumped>,
-    now: Option<Counts>,
+    now: Option<&Counts>,
     max_reuse: u64,
     pending_accept: bool,
+    held: impl Fn(u32) -> bool,
+    mut has_sockets: impl FnMut(u32) -> bool,
 ) -> bool {
-    match (last, now) {
-        (Some(last), Some(now)) => last.at == now && last.reused < max_reuse && !pending_accept,
-        _ => false,
+    let (Some(last), Some(now)) = (last, now) else {
+        return false;
+    };
+    if last.at.transitions != now.transitions || last.reused >= max_reuse || pending_accept {
+        return false;
     }
+    let (gone, new) = changed(&last.at.processes, &now.processes);
+    !gone.into_iter().any(held)
+        && new.len() <= MAX_NEW_PROCESSES
+        && !new.into_iter().any(&mut has_sockets)
+}
+
+/// The pids only in `before` (reaped) and those only in `now` (new), both lists sorted.
+fn changed(before: &[u32], now: &[u32]) -> (Vec<u32>, Vec<u32>) {
+    let (mut gone, mut new) = (Vec::new(), Vec::new());
+    let (mut i, mut j) = (0, 0);
+    while i < before.len() || j < now.len() {
+        match (before.get(i), now.get(j)) {
+            (Some(a), Some(b)) if a == b => {
+                i += 1;
+                j += 1;
+            }
+            (Some(a), Some(b)) if a < b => {
+                gone.push(*a);
+                i += 1;
+            }
+            (Some(a), None) => {
+                gone.push(*a);
+                i += 1;
+            }
+            (_, Some(b)) => {
+                new.push(*b);
+                j += 1;
+            }
+            (None, None) => break,
+        }
+    }
+    (gone, new)
 }
 
 /// Whether a row is a connection waiting in its listener's accept queue: open, not held, and
@@ -68,44 +117,103 @@ pub fn pending_accept(s: &Socket) -> bool {
 mod tests {
     use super::*;
 
-    const AT: Counts = Counts {
-        transitions: 10,
-        processes: 500,
-    };
+    fn at() -> Counts {
+        Counts {
+            transitions: 10,
+            processes: vec![1, 5, 9],
+        }
+    }
 
     fn dumped(reused: u64) -> Dumped {
-        Dumped { at: AT, reused }
+        Dumped { at: at(), reused }
+    }
+
+    /// `reusable` with no process holding sockets, before or now.
+    fn quiet(last: Option<&Dumped>, now: Option<&Counts>, max: u64, pending: bool) -> bool {
+        reusable(last, now, max, pending, |_| false, |_| false)
     }
 
     #[test]
     fn a_dump_is_reused_only_while_nothing_counted_changed() {
-        assert!(reusable(Some(&dumped(0)), Some(AT), 11, false));
-        for changed in [
-            Counts {
-                transitions: 11,
-                ..AT
-            },
-            Counts {
-                processes: 501,
-                ..AT
-            },
-        ] {
-            assert!(
-                !reusable(Some(&dumped(0)), Some(changed), 11, false),
-                "{changed:?}"
-            );
-        }
+        assert!(quiet(Some(&dumped(0)), Some(&at()), 11, false));
+        let more = Counts {
+            transitions: 11,
+            ..at()
+        };
+        assert!(!quiet(Some(&dumped(0)), Some(&more), 11, false));
+    }
+
+    #[test]
+    fn processes_that_come_and_go_without_sockets_change_no_owner() {
+        let d = dumped(0);
+        // 5 reaped, 7 and 12 new.
+        let now = Counts {
+            processes: vec![1, 7, 9, 12],
+            ..at()
+        };
+        assert_eq!(
+            changed(&d.at.processes, &now.processes),
+            (vec![5], vec![7, 12])
+        );
+        let mut asked = Vec::new();
+        assert!(reusable(
+            Some(&d),
+            Some(&now),
+            11,
+            false,
+            |_| false,
+            |p| {
+                asked.push(p);
+                false
+            }
+        ));
+        assert_eq!(asked, vec![7, 12], "only new processes are looked into");
+        // The reaped one held a socket of the dump: its sockets have new owners, or none.
+        assert!(!reusable(
+            Some(&d),
+            Some(&now),
+            11,
+            false,
+            |p| p == 5,
+            |_| false
+        ));
+        // A new one has a socket: it may have inherited one of the dump's.
+        assert!(!reusable(
+            Some(&d),
+            Some(&now),
+            11,
+            false,
+            |_| false,
+            |p| p == 12
+        ));
+        // Held processes that are still there change nothing.
+        assert!(reusable(
+            Some(&d),
+            Some(&now),
+            11,
+            false,
+            |p| p == 1,
+            |_| false
+        ));
+        // Too many new processes: dump rather than read them all.
+        let crowd = Counts {
+            processes: (100..100 + MAX_NEW_PROCESSES as u32 + 1).collect(),
+            ..at()
+        };
+        assert!(!quiet(Some(&d), Some(&crowd), 11, false));
+        assert_eq!(changed(&[], &[2, 3]), (vec![], vec![2, 3]));
+        assert_eq!(changed(&[2, 3], &[]), (vec![2, 3], vec![]));
     }
 
     #[test]
     fn a_dump_is_not_reused_past_its_bound_without_counts_or_with_a_socket_to_accept() {
-        assert!(reusable(Some(&dumped(10)), Some(AT), 11, false));
-        assert!(!reusable(Some(&dumped(11)), Some(AT), 11, false));
+        assert!(quiet(Some(&dumped(10)), Some(&at()), 11, false));
+        assert!(!quiet(Some(&dumped(11)), Some(&at()), 11, false));
         // max_reuse 0: every scan dumps (netns_walk_interval = 0 or one scan per period).
-        assert!(!reusable(Some(&dumped(0)), Some(AT), 0, false));
-        assert!(!reusable(None, Some(AT), 11, false));
-        assert!(!reusable(Some(&dumped(0)), None, 11, false));
-        assert!(!reusable(Some(&dumped(0)), Some(AT), 11, true));
+        assert!(!quiet(Some(&dumped(0)), Some(&at()), 0, false));
+        assert!(!quiet(None, Some(&at()), 11, false));
+        assert!(!quiet(Some(&dumped(0)), None, 11, false));
+        assert!(!quiet(Some(&dumped(0)), Some(&at()), 11, true));
     }
 
     #[test]

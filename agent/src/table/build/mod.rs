@@ -107,6 +107,10 @@ impl Holders {
     pub fn pids(&self) -> impl Iterator<Item = u32> + '_ {
         self.comms.keys().copied()
     }
+    /// Whether process `pid` holds a socket here.
+    pub fn holds(&self, pid: u32) -> bool {
+        self.comms.contains_key(&pid)
+    }
 }
 
 /// One namespace's part of a scan: its listeners and ephemeral range decide the service side

@@ -1,6 +1,7 @@
 //! The daemon reuses its last owner dump while nothing that changes owners is counted (no TCP
-//! state change, no process started or reaped), and dumps again when a process appears or
-//! goes: a socket handed to a new process, with no state change at all, shows under that
+//! state change, no holder reaped, no process started with a socket), also while processes
+//! without sockets come and go, and dumps again when a holder goes or a process with a socket
+//! appears: a socket handed to a new process, with no state change at all, shows under that
 //! process on the next scan, not one `netns_walk_interval` later.
 
 use std::{path::PathBuf, thread, time::Duration};
@@ -83,6 +84,27 @@ fn a_socket_handed_to_a_new_process_shows_under_it_on_the_next_scan() {
     assert!(
         reused > 0,
         "no scan reused the owner dump in 2 s of quiet:\n{}",
+        agent.ctx()
+    );
+
+    // Processes with no socket starting and exiting all the time (cron jobs, shells, probes
+    // before they connect): every scan sees another set of pids, and still reuses the dump.
+    let reused_before = marks(&agent);
+    let until = std::time::Instant::now() + Duration::from_secs(2);
+    while std::time::Instant::now() < until {
+        let mut p = std::process::Command::new("sleep")
+            .arg("0.05")
+            .stdin(std::process::Stdio::null())
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("spawn sleep");
+        p.wait().expect("reap sleep");
+    }
+    let reused = marks(&agent) - reused_before;
+    assert!(
+        reused > 0,
+        "no scan reused the owner dump in 2 s of socketless processes coming and going:\n{}",
         agent.ctx()
     );
 
