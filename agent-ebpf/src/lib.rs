@@ -52,6 +52,9 @@ pub mod names {
     pub const SWEEP_MAP: &str = "CONNREAP_SWEEP";
     pub const PROG_SWEEP: &str = "connreap_sweep";
     pub const PROG_SWEEP_LOOP: &str = "connreap_sweep_loop";
+    pub const PROG_SWEEP_DIRECT: &str = "connreap_sweep_direct";
+    /// BTF id of the running kernel's `struct tcp_sock`, for the direct sweep's cast.
+    pub const TCP_SOCK_ID: &str = "CONNREAP_TCP_SOCK_ID";
     pub const PROG_FLUSH: &str = "connreap_flush_events";
     /// aya-log's ring of the programs' log records (the name aya-log-ebpf gives it).
     pub const LOGS: &str = "AYA_LOGS";
@@ -75,6 +78,10 @@ pub mod kfunc {
     pub const PLACEHOLDER: u32 = 0x7ead_50c7;
     /// The instruction as it appears in the object: opcode, regs (src = 2), off = 0, imm.
     pub const INSN: u64 = ((PLACEHOLDER as u64) << 32) | 0x2085;
+    /// Placeholder `imm` of the hand-encoded `bpf_rdonly_cast` call (the direct sweep).
+    pub const CAST_PLACEHOLDER: u32 = 0x7ead_ca57;
+    /// That call as it appears in the object.
+    pub const CAST_INSN: u64 = ((CAST_PLACEHOLDER as u64) << 32) | 0x2085;
     /// Capacity of `CONNREAP_DESTROY`: the most sockets one destroy pass can target.
     pub const MAX_TARGETS: u32 = 1024;
     /// `DestroyRequest::result` when the socket at that inode is not at the expected address.

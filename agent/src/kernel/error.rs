@@ -52,8 +52,8 @@ pub enum KernelError {
     MissingProgram(&'static str),
     #[error("loading the BPF object failed: program {0} has an unexpected type")]
     ProgramType(&'static str),
-    #[error("loading the BPF object failed: the BPF object has no bpf_sock_destroy call to patch")]
-    NoKfuncCall,
+    #[error("loading the BPF object failed: the BPF object has no {0} call to patch")]
+    NoKfuncCall(&'static str),
     /// The verifier (or the kernel before it) refused the program.
     #[error("kernel refused BPF program {program}")]
     Refused {

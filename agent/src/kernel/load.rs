@@ -223,13 +223,26 @@ impl Loaded {
         verbose: bool,
         set_bits: u32,
     ) -> Result<Self, KernelError> {
+        Self::object_with(pin_dir, verbose, set_bits, OBJECT, 0)
+    }
+
+    /// [`Loaded::object`] from `object` (the embedded one with its kfunc calls patched), with
+    /// the kernel's BTF id of `struct tcp_sock` for the direct sweep (0: not used).
+    pub(super) fn object_with(
+        pin_dir: &Path,
+        verbose: bool,
+        set_bits: u32,
+        object: &[u8],
+        tcp_sock_id: u32,
+    ) -> Result<Self, KernelError> {
         let offsets = offsets::resolve(Path::new(BTF_PATH))?;
         let mut loader = EbpfLoader::new();
         loader.override_global(names::OFFSETS, &offsets, true);
         loader.override_global(names::SET_BITS, &set_bits, true);
+        loader.override_global(names::TCP_SOCK_ID, &tcp_sock_id, true);
         loader.map_max_entries(names::STATE_MAP, 1 << set_bits);
         let ebpf = with_pinned_maps(&mut loader, pin_dir)
-            .load(OBJECT)
+            .load(object)
             .map_err(KernelError::Object)?;
         Ok(Loaded { ebpf, verbose })
     }

@@ -53,6 +53,18 @@ impl Resolver {
             .ok_or_else(|| OffsetError::NoFunc(name.into()))
     }
 
+    /// BTF id of the kernel's `struct name`.
+    pub fn struct_id(&self, name: &str) -> Result<u32, OffsetError> {
+        self.btf
+            .resolve_ids_by_name(name)
+            .unwrap_or_default()
+            .into_iter()
+            .find(|id| {
+                matches!(self.btf.resolve_type_by_id(*id), Ok(Type::Struct(s)) if !s.members.is_empty())
+            })
+            .ok_or_else(|| OffsetError::NoStruct(name.into()))
+    }
+
     /// The value of `value` in `enum enumeration`.
     fn enum_value(&self, enumeration: &str, value: &str) -> Result<u32, OffsetError> {
         let types = self

@@ -35,13 +35,35 @@ pub(super) const MAP_PIN: &str = "sweep_out";
 /// has `bpf_loop`.
 const FORM_ENV: &str = "CONNREAP_SWEEP_FORM";
 
-/// The forms of the sweep to try, best first, and the pin of the one loaded.
+/// The forms of the sweep to try, best first, and the pin of the one loaded. `=unrolled` and
+/// `=loop` load that form whatever the kernel, pinned apart.
 fn forms() -> (&'static [&'static str], &'static str) {
-    if std::env::var(FORM_ENV).is_ok_and(|v| v == "unrolled") {
-        (&[names::PROG_SWEEP], "sweep_unrolled")
-    } else {
-        (&[names::PROG_SWEEP_LOOP, names::PROG_SWEEP], PROG_PIN)
+    match std::env::var(FORM_ENV).as_deref() {
+        Ok("unrolled") => (&[names::PROG_SWEEP], "sweep_unrolled"),
+        Ok("loop") => (&[names::PROG_SWEEP_LOOP], "sweep_loop"),
+        _ => (
+            &[
+                names::PROG_SWEEP_DIRECT,
+                names::PROG_SWEEP_LOOP,
+                names::PROG_SWEEP,
+            ],
+            PROG_PIN,
+        ),
     }
+}
+
+/// The object for the direct form: its `bpf_rdonly_cast` calls patched to the kernel's id of
+/// the kfunc, and the id of `struct tcp_sock` it casts to. An error when the kernel's BTF
+/// lacks either (before 6.2: no such kfunc).
+fn direct_object() -> Result<(Vec<u8>, u32), KernelError> {
+    let btf = super::offsets::Resolver::open(Path::new(super::BTF_PATH))?;
+    let cast = btf.func_id("bpf_rdonly_cast")?;
+    let tcp_sock = btf.struct_id("tcp_sock")?;
+    let mut object = super::OBJECT.to_vec();
+    if super::destroy::bpf::patch_call(&mut object, connreap_ebpf::kfunc::CAST_INSN, cast) == 0 {
+        return Err(KernelError::NoKfuncCall("bpf_rdonly_cast"));
+    }
+    Ok((object, tcp_sock))
 }
 
 /// Records one run can write.
@@ -195,7 +217,8 @@ pub(super) enum SweepState {
 
 impl Kernel {
     /// Whether this kernel runs the sweep (see `sweep`): its program is loaded (and pinned)
-    /// on the first ask. A kernel whose verifier refuses it (6.1's gives up on its loop) is
+    /// on the first ask, the best form the kernel takes (direct, 6.2+; `bpf_loop`, 5.17+;
+    /// unrolled). A kernel whose verifier refuses every form is
     /// said once, and the daemon then walks every namespace on every scan instead.
     pub fn sweeps(&mut self) -> bool {
         if let SweepState::NotTried = self.sweeper {
@@ -241,7 +264,20 @@ impl Kernel {
         let mut refused = None;
         for &name in forms {
             let t = Instant::now();
-            let mut loaded = Loaded::object(pin_dir, verbose, set_bits)?;
+            let mut loaded = if name == names::PROG_SWEEP_DIRECT {
+                match direct_object() {
+                    Ok((object, id)) => {
+                        Loaded::object_with(pin_dir, verbose, set_bits, &object, id)?
+                    }
+                    Err(e) => {
+                        tracing::debug!(program = name, error = %e, "this form of the sweep needs what this kernel lacks");
+                        refused = Some(e);
+                        continue;
+                    }
+                }
+            } else {
+                Loaded::object(pin_dir, verbose, set_bits)?
+            };
             let prog: &mut RawTracePoint = loaded.program(name)?;
             match prog.load() {
                 Ok(()) => {

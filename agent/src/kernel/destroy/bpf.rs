@@ -19,9 +19,16 @@ use crate::kernel::{offsets, program_error, IterError, KernelError, BTF_PATH};
 
 pub const MECHANISM: &str = "bpf-sock-destroy";
 
-/// Replace every placeholder kfunc call's `imm` with `btf_id`; returns how many were patched.
+/// Replace every placeholder `bpf_sock_destroy` call's `imm` with `btf_id`; returns how many
+/// were patched.
 pub fn patch_kfunc(object: &mut [u8], btf_id: u32) -> usize {
-    let needle = kfunc::INSN.to_le_bytes();
+    patch_call(object, kfunc::INSN, btf_id)
+}
+
+/// Replace the `imm` of every hand-encoded kfunc call `insn` (its placeholder form) with
+/// `btf_id`; returns how many were patched.
+pub fn patch_call(object: &mut [u8], insn: u64, btf_id: u32) -> usize {
+    let needle = insn.to_le_bytes();
     let mut patched = 0;
     let mut i = 0;
     // Instructions are 8-byte aligned within their section, but sections need not be aligned
@@ -62,7 +69,7 @@ impl BpfDestroyer {
         let btf_id = kernel_btf.func_id("bpf_sock_destroy")?;
         let mut object = object.to_vec();
         if patch_kfunc(&mut object, btf_id) == 0 {
-            return Err(KernelError::NoKfuncCall);
+            return Err(KernelError::NoKfuncCall("bpf_sock_destroy"));
         }
         let offsets = kernel_btf.offsets()?;
         let mut loader = EbpfLoader::new();

@@ -137,9 +137,16 @@ fn sockets_between_walks_are_read_fresh_or_carried() {
 /// Connections made after the namespace's only walk to a listener that never accepts them:
 /// their server ends are full sockets no process holds (no file until accepted), which only a
 /// walk could read before; the sweep over the state table reads them on every scan, fresh.
+/// The form this kernel gets by default: plain loads through `bpf_rdonly_cast` (6.2+).
 #[test]
 fn unheld_sockets_made_after_the_walk_are_read_by_the_sweep() {
-    unheld_sockets_read_by(None, "connreap_sweep_loop");
+    unheld_sockets_read_by(None, "connreap_sweep_direct");
+}
+
+/// The same with the `bpf_loop` form and a helper call per field (5.17-6.1), forced here.
+#[test]
+fn unheld_sockets_made_after_the_walk_are_read_by_the_loop_sweep() {
+    unheld_sockets_read_by(Some("loop"), "connreap_sweep_loop");
 }
 
 /// The same with the sweep's form for kernels without `bpf_loop` (5.12-5.16), forced here.
