@@ -44,7 +44,7 @@ static CONNREAP_SWEEP: Array<SweepRecord> =
 
 /// What a run is asked (the test run's arguments: a raw tracepoint's context is its u64
 /// arguments, and BPF_PROG_TEST_RUN passes 12): its first set (`args[0]`) and the namespace
-/// whose sockets it skips (`args[1]`, 0 for none: the daemon's own, which it walks on every
+/// whose sockets it skips (`args[1]`, 0 for none: the daemon's own when it walked it this
 /// scan); and the jiffies now.
 #[derive(Clone, Copy)]
 struct Ask {

@@ -114,7 +114,7 @@ impl Metrics {
         );
         registry.register(
             "netns_walked",
-            "Of those, namespaces the last scan walked whole (its own always; each other once per agent.netns_walk_interval)",
+            "Of those, namespaces the last scan walked whole (its own when the sweep cannot account for all of its sockets; each other at most once per agent.netns_walk_interval)",
             m.netns_walked.clone(),
         );
         registry.register(

@@ -24,12 +24,15 @@ type SweepResult = (kernel::Dump, FxHashMap<u32, Swept>);
 /// discovery did not find are noted from the owner dump, and every socket of a namespace that
 /// vanished from discovery since the last scan but is still held becomes a row. Returns the
 /// owner dump and the sweep (None: the plain owner dump, no namespace between walks, no look).
+/// `parts` are the quiet namespaces' parts of the table (due a walk, not walked: see
+/// `walk::worth_walking`): they get their swept rows and their last walk's untracked sockets.
+/// The sweep skips namespace `skip`'s sockets (0: none).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn owners_and_between(
     kernel: &mut Kernel,
     reuse: bool,
     walks: &Walks,
-    own: u32,
+    skip: u32,
     between: &[Namespace],
     mut parts: FxHashMap<u32, usize>,
     mut look: Option<&mut Look>,
@@ -56,6 +59,7 @@ pub(super) fn owners_and_between(
         let dump = look_without_sweep(kernel, walks, look, b, holders)?;
         return Ok((dump, None));
     }
+    let quiet: Vec<u32> = parts.keys().copied().collect();
     parts.extend(between.iter().map(|ns| {
         let last = walks.last(ns.inode);
         let ephemeral = last.and_then(|w| w.ephemeral.clone());
@@ -69,7 +73,7 @@ pub(super) fn owners_and_between(
     let mut per_netns: FxHashMap<u32, Swept> = FxHashMap::default();
     // Sockets of namespaces this scan does not know, by address: for the look.
     let mut unknown: FxHashMap<u64, SweepRecord> = FxHashMap::default();
-    let sweep = kernel.sweep(own, |r| {
+    let sweep = kernel.sweep(skip, |r| {
         per_netns.entry(r.netns).or_default().add(r);
         if let Some(&part) = parts.get(&r.netns) {
             swept.insert(r.sock.skaddr);
@@ -102,6 +106,14 @@ pub(super) fn owners_and_between(
     for ns in between {
         if let (Some(last), Some(&part)) = (walks.last(ns.inode), parts.get(&ns.inode)) {
             for r in walk::carried(last, |a| swept.contains(&a), now_ns, hz) {
+                b.push_in(part, &r);
+            }
+        }
+    }
+    for inode in quiet {
+        if let (Some(last), Some(&part)) = (walks.last(inode), parts.get(&inode)) {
+            let carried = walk::carried(last, |a| swept.contains(&a), now_ns, hz);
+            for r in carried.filter(walk::untracked) {
                 b.push_in(part, &r);
             }
         }

@@ -201,15 +201,18 @@ impl Scanner {
         let discovered = start.elapsed();
         // Without the sweep (a kernel that refuses it), every scan walks every namespace.
         let sweeps = !parallel && self.walks.every > 1 && self.kernel.sweeps();
-        // This scan walks its own namespace, the namespaces never walked or whose turn it is;
-        // the others ("between walks") come from the one dump of held sockets below.
+        // This scan enters its own namespace, the namespaces never walked and those whose turn
+        // it is; the others ("between walks") come from the sweep and the owner dump below.
         let (to_walk, between): (Vec<Namespace>, Vec<Namespace>) = spaces
             .iter()
             .cloned()
             .partition(|ns| ns.own || parallel || !sweeps || self.walks.due(ns.inode, forced));
-        // What each walked namespace leaves for the scans between its walks (not the own:
-        // walked on every scan, it needs nothing carried).
-        let mut walked: Vec<(u32, Option<Walked>)> = Vec::new();
+        // What each entered namespace leaves for the scans until its next walk.
+        let mut walked: Vec<(u32, Walked)> = Vec::new();
+        // What a walk of the own namespace read that the sweep would (for the next scan's
+        // judgement of it: see `walk::worth_walking`).
+        let mut own_walk = Swept::default();
+        let mut in_own = false;
         // Each entered namespace's part of the table (for the quiet ones' swept rows).
         let mut entered: FxHashMap<u32, usize> = FxHashMap::default();
         let on_socket = |e: NsEvent<'_>| match e {
@@ -219,19 +222,28 @@ impl Scanner {
                 let keepalive = procfs::keepalive();
                 let part = b.begin_namespace(netns_row(ns, keepalive), ephemeral.clone());
                 entered.insert(ns.inode, part);
+                in_own = ns.own;
                 walked.push((
                     ns.inode,
-                    (!ns.own).then(|| Walked {
+                    Walked {
                         ephemeral,
                         keepalive,
                         at_ns: start_ns,
                         unheld: Vec::new(),
-                    }),
+                    },
                 ));
             }
             NsEvent::Socket(r) => {
-                if let Some((_, Some(w))) = walked.last_mut() {
-                    if walk::carried_between(&r) {
+                if let Some((_, w)) = walked.last_mut() {
+                    // The own namespace is never between walks: only its untracked sockets
+                    // are ever carried (by quiet scans).
+                    let keep = if in_own {
+                        own_walk.add_walked(&r);
+                        walk::untracked(&r)
+                    } else {
+                        walk::carried_between(&r)
+                    };
+                    if keep {
                         w.unheld.push(r);
                     }
                 }
@@ -298,15 +310,21 @@ impl Scanner {
             }
             (sockets, owners, None)
         } else {
-            // A namespace due for its walk that has nothing the sweep cannot read is not walked
-            // ("quiet"): its rows come from the sweep like those between walks.
+            // A namespace due for its walk (the own one on every scan) that has nothing the
+            // sweep cannot read is not walked ("quiet"): its rows come from the sweep like those
+            // between walks, plus the untracked sockets its last walk found.
             let (walks, last_sweep) = (&self.walks, &self.swept);
             let must_walk = |ns: &Namespace| {
-                let walk = ns.own
-                    || forced.contains(&ns.inode)
+                let last = walks.last(ns.inode);
+                let walk = forced.contains(&ns.inode)
                     || !sweeps
-                    || walks.last(ns.inode).is_none()
-                    || walk::worth_walking(procfs::sockstat(), last_sweep.get(&ns.inode));
+                    || last.is_none()
+                    || walk::worth_walking(
+                        procfs::sockstat(),
+                        last_sweep.get(&ns.inode),
+                        last.map_or(0, Walked::untracked),
+                        walks.due(ns.inode, forced),
+                    );
                 if !walk {
                     quiet.push(ns.inode);
                 }
@@ -319,13 +337,14 @@ impl Scanner {
                 .iter()
                 .filter_map(|i| Some((*i, *entered.get(i)?)))
                 .collect();
-            // The own namespace is walked on every scan: the sweep skips its sockets.
+            // The sweep skips the own namespace's sockets when it was walked.
             let own = spaces.iter().find(|n| n.own).map_or(0, |n| n.inode);
+            let skip = if quiet.contains(&own) { 0 } else { own };
             let (owners, swept) = between::owners_and_between(
                 &mut self.kernel,
                 reuse,
                 &self.walks,
-                own,
+                skip,
                 &between,
                 quiet_parts,
                 look.as_mut(),
@@ -350,10 +369,18 @@ impl Scanner {
         }
         let walked_count = all.namespaces;
         all.namespaces += all.quiet + between.len() + kept;
+        let mut own_walked = None;
         for (inode, w) in walked {
-            if let Some(w) = w {
-                self.walks.record(inode, w);
-            }
+            let w = match self.walks.last(inode) {
+                Some(last) if quiet.contains(&inode) => w.after_quiet(last),
+                _ => {
+                    if spaces.iter().any(|n| n.own && n.inode == inode) {
+                        own_walked = Some((inode, own_walk));
+                    }
+                    w
+                }
+            };
+            self.walks.record(inode, w);
         }
         self.walks
             .retain(|inode| spaces.iter().any(|n| n.inode == inode));
@@ -426,6 +453,7 @@ impl Scanner {
         tracing::debug!(
             namespaces = all.namespaces,
             walked = walked_count,
+            others_walked = all.others,
             discover_us = us(discovered),
             sockets = sockets.records,
             owner_records = owners.records,
@@ -448,6 +476,10 @@ impl Scanner {
         // Kept until the next sweep: a scan that walks everything tells nothing new of them.
         if let Some((_, per_netns)) = swept {
             self.swept = per_netns;
+        }
+        // The sweep skipped a walked own namespace: its walk's count stands in.
+        if let Some((inode, counted)) = own_walked {
+            self.swept.insert(inode, counted);
         }
         Ok(table)
     }

@@ -4,14 +4,21 @@
 //! A walk of a namespace is an `iter/tcp` dump inside it. The kernel keeps one TCP hash for
 //! every namespace (unless `net.ipv4.tcp_child_ehash_entries` gave one its own), so each walk
 //! visits every socket of the host to skip the other namespaces': walking every namespace on
-//! every scan costs namespaces × all sockets. So the daemon walks its own namespace on every
-//! scan (the sweep skips its sockets) and each other namespace once per `every` scans (spread
-//! over the scans by inode). In between, the sweep over the state table (`Kernel::sweep`: one pass over the sockets the
-//! tracker knows, every namespace's at once) reads that namespace's full sockets fresh, held or
-//! not; what only a walk sees is carried from its last walk, aged (`carried_between`): its
-//! TIME_WAIT and request (NEW_SYN_RECV) sockets, which are not full sockets and never in the
-//! table, and full sockets the table had no room for. A walk also gives the table a record of
-//! each full socket it lacks (one that predates the tracker), so the sweep sees it from then on.
+//! every scan costs namespaces × all sockets. So the daemon walks each namespace other than its
+//! own once per `every` scans (spread over the scans by inode). In between, the sweep over the
+//! state table (`Kernel::sweep`: one pass over the sockets the tracker knows, every
+//! namespace's at once) reads that namespace's full sockets fresh, held or not; what only a
+//! walk sees is carried from its last walk, aged (`carried_between`): its TIME_WAIT and
+//! request (NEW_SYN_RECV) sockets, which are not full sockets and never in the table, and full
+//! sockets the table had no room for. A walk also gives the table a record of each full
+//! socket it lacks (one that predates the tracker), so the sweep sees it from then on.
+//!
+//! A namespace whose walk is due, its own included on every scan, is still only walked when
+//! the walk would read something the sweep does not (`worth_walking`, judged from the
+//! kernel's socket counts): otherwise ("quiet") the sweep reads it, and the full sockets its
+//! last walk found untracked are carried. So the own namespace stays fresh on every scan:
+//! walked whenever it has a timewait or request socket, or a socket the sweep cannot account
+//! for, and its untracked sockets re-read by a walk at least once per `every` scans.
 use std::{collections::HashMap, ops::RangeInclusive};
 
 use connreap_ebpf::{sock_flags, SockRecord};
@@ -29,6 +36,30 @@ pub struct Walked {
     pub at_ns: u64,
     /// Its records the sweep cannot read (see [`carried_between`]).
     pub unheld: Vec<SockRecord>,
+}
+
+impl Walked {
+    /// Its full sockets the state table had no room for.
+    pub fn untracked(&self) -> u64 {
+        self.unheld.iter().filter(|r| untracked(r)).count() as u64
+    }
+
+    /// What a quiet scan (a due walk skipped: see [`worth_walking`]) keeps of `last`, the
+    /// namespace's last real walk, with this scan's sysctls (`self`): the untracked sockets
+    /// and when they were read. Its timewait and request sockets are not kept: the kernel
+    /// counted none of them now.
+    pub fn after_quiet(self, last: &Walked) -> Walked {
+        Walked {
+            at_ns: last.at_ns,
+            unheld: last
+                .unheld
+                .iter()
+                .filter(|r| untracked(r))
+                .copied()
+                .collect(),
+            ..self
+        }
+    }
 }
 
 /// Which scans walk which namespaces, and the last walk of each.
@@ -49,8 +80,9 @@ impl Walks {
         }
     }
 
-    /// Whether this scan walks namespace `inode` (not the own: that one is always walked).
-    /// A namespace never walked is walked now; `forced` ones too.
+    /// Whether this scan's turn to walk namespace `inode` has come (for the own namespace,
+    /// whose turn is every scan: whether its carried untracked sockets are due a re-read). A
+    /// namespace never walked is due now; `forced` ones too.
     pub fn due(&self, inode: u32, forced: &[u32]) -> bool {
         self.every <= 1
             || forced.contains(&inode)
@@ -96,6 +128,11 @@ pub fn carried_between(r: &SockRecord) -> bool {
     r.flags & sock_flags::FULL == 0 || r.flags & sock_flags::UNTRACKED != 0
 }
 
+/// Whether a walk's record is a full socket the state table had no room for.
+pub fn untracked(r: &SockRecord) -> bool {
+    r.flags & sock_flags::FULL != 0 && r.flags & sock_flags::UNTRACKED != 0
+}
+
 /// What one sweep read of a namespace: its tracked sockets and its listeners' request sockets.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Swept {
@@ -108,17 +145,41 @@ impl Swept {
         self.sockets += 1;
         self.requests += u64::from(r.requests);
     }
+
+    /// Count a walk's record as the sweep would have read it: a tracked full socket, or a
+    /// request socket (the sweep counts them on their listener).
+    pub fn add_walked(&mut self, r: &SockRecord) {
+        if r.flags & sock_flags::FULL != 0 {
+            self.sockets += u64::from(r.flags & sock_flags::UNTRACKED == 0);
+        } else if r.state == TCP_SYN_RECV {
+            self.requests += 1;
+        }
+    }
 }
 
-/// Whether a namespace's due walk would read anything the sweep does not, judged from what
-/// the kernel counts in it (`stat`, no socket visited) against what the last sweep read of it:
-/// timewait sockets, request sockets, or more hashed full sockets than the sweep read (some
-/// have no record in the table: they predate the tracker, or their set was full, or they are
-/// newer than the sweep). Unknown counts: walk.
-pub fn worth_walking(stat: Option<SockStat>, swept: Option<&Swept>) -> bool {
+/// `TCP_SYN_RECV`: how a walk shows a request socket.
+const TCP_SYN_RECV: u8 = 3;
+
+/// Whether a namespace's walk would read anything the sweep does not, judged from what the
+/// kernel counts in it (`stat`, no socket visited) against what the last sweep read of it and
+/// the `carried` untracked full sockets of its last walk: timewait sockets, request sockets,
+/// or more hashed full sockets than those (some have no record in the table: they predate the
+/// tracker, or their set was full, or they are newer than the sweep). With untracked sockets
+/// carried, also when fewer are hashed (one of them may have closed) and when their re-read is
+/// `due`. Unknown counts: walk.
+pub fn worth_walking(
+    stat: Option<SockStat>,
+    swept: Option<&Swept>,
+    carried: u64,
+    due: bool,
+) -> bool {
     match (stat, swept) {
         (Some(stat), Some(swept)) => {
-            stat.tw > 0 || swept.requests > 0 || stat.inuse > swept.sockets
+            let accounted = swept.sockets + carried;
+            stat.tw > 0
+                || swept.requests > 0
+                || stat.inuse > accounted
+                || (carried > 0 && (due || stat.inuse < accounted))
         }
         _ => true,
     }
@@ -258,23 +319,82 @@ mod tests {
     fn a_due_walk_is_skipped_only_when_the_sweep_read_everything() {
         let stat = |inuse, tw| Some(SockStat { inuse, tw });
         let swept = |sockets, requests| Swept { sockets, requests };
-        assert!(!worth_walking(stat(1001, 0), Some(&swept(1001, 0))));
+        let walk = |st, sw, carried, due| worth_walking(st, Some(&sw), carried, due);
+        assert!(!walk(stat(1001, 0), swept(1001, 0), 0, true));
         // The sweep read more than were hashed then (a socket since closed): nothing missed.
-        assert!(!worth_walking(stat(990, 0), Some(&swept(1001, 0))));
+        assert!(!walk(stat(990, 0), swept(1001, 0), 0, true));
+        assert!(walk(stat(1001, 3), swept(1001, 0), 0, true), "timewait");
+        assert!(walk(stat(1001, 0), swept(1001, 2), 0, true), "requests");
+        assert!(walk(stat(1002, 0), swept(1001, 0), 0, true), "untracked");
         assert!(
-            worth_walking(stat(1001, 3), Some(&swept(1001, 0))),
-            "timewait"
+            worth_walking(None, Some(&swept(1, 0)), 0, true),
+            "no sockstat"
+        );
+        assert!(worth_walking(stat(0, 0), None, 0, true), "never swept");
+    }
+
+    #[test]
+    fn carried_untracked_sockets_are_re_read_when_due_or_when_one_may_have_closed() {
+        let stat = |inuse| Some(SockStat { inuse, tw: 0 });
+        let swept = Swept {
+            sockets: 1000,
+            requests: 0,
+        };
+        // 10 untracked carried: 1010 hashed is all accounted for until the re-read is due.
+        assert!(!worth_walking(stat(1010), Some(&swept), 10, false));
+        assert!(worth_walking(stat(1010), Some(&swept), 10, true), "due");
+        assert!(
+            worth_walking(stat(1011), Some(&swept), 10, false),
+            "a new one"
         );
         assert!(
-            worth_walking(stat(1001, 0), Some(&swept(1001, 2))),
-            "requests"
+            worth_walking(stat(1009), Some(&swept), 10, false),
+            "one closed: maybe a carried one"
         );
-        assert!(
-            worth_walking(stat(1002, 0), Some(&swept(1001, 0))),
-            "untracked"
+        // Without any carried, a due turn alone is no reason.
+        assert!(!worth_walking(stat(1000), Some(&swept), 0, true));
+    }
+
+    #[test]
+    fn a_walk_counts_what_the_sweep_would_read() {
+        let mut s = Swept::default();
+        s.add_walked(&rec(1, 9, sock_flags::FULL | sock_flags::SINCE_KNOWN));
+        s.add_walked(&rec(2, 0, sock_flags::FULL | sock_flags::UNTRACKED));
+        s.add_walked(&rec(3, 0, sock_flags::TW_ENTRY));
+        let request = SockRecord {
+            state: TCP_SYN_RECV,
+            ..rec(4, 0, 0)
+        };
+        s.add_walked(&request);
+        assert_eq!(
+            s,
+            Swept {
+                sockets: 1,
+                requests: 1
+            }
         );
-        assert!(worth_walking(None, Some(&swept(1, 0))), "no sockstat");
-        assert!(worth_walking(stat(0, 0), None), "never swept");
+    }
+
+    #[test]
+    fn a_quiet_scan_keeps_the_last_walks_untracked_sockets_only() {
+        let last = Walked {
+            at_ns: 5,
+            unheld: vec![
+                rec(1, 0, sock_flags::FULL | sock_flags::UNTRACKED),
+                rec(2, 0, sock_flags::TW_ENTRY),
+            ],
+            ..Walked::default()
+        };
+        assert_eq!(last.untracked(), 1);
+        let now = Walked {
+            at_ns: 9,
+            ephemeral: Some(1000..=2000),
+            ..Walked::default()
+        };
+        let kept = now.after_quiet(&last);
+        assert_eq!((kept.at_ns, kept.unheld.len()), (5, 1));
+        assert_eq!(kept.unheld[0].skaddr, 1);
+        assert_eq!(kept.ephemeral, Some(1000..=2000));
     }
 
     #[test]

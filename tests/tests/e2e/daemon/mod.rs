@@ -4,6 +4,7 @@
 
 mod config;
 mod flush;
+mod own_namespace;
 mod owners;
 mod pool_leak;
 mod quota_source;

@@ -39,11 +39,34 @@ fn rows_on(agent: &Agent, pod: &Pod, state: &str, port: u16, ends: &[&str]) -> V
         .collect()
 }
 
-/// `connreap_netns_walked` now.
-fn walked(agent: &Agent) -> f64 {
-    agent
-        .metric("connreap_netns_walked")
-        .unwrap_or_else(|| panic!("no connreap_netns_walked in /metrics\n{}", agent.ctx()))
+/// The agent's scans so far, and how many walked a namespace other than its own (the scan's
+/// debug line: `others_walked`, with `RUST_LOG` from [`SCAN_LOG`]).
+fn scans(agent: &Agent) -> (usize, usize) {
+    let err = agent.stderr();
+    let lines: Vec<&str> = err
+        .lines()
+        .filter(|l| l.contains(" others_walked="))
+        .collect();
+    let walking = lines
+        .iter()
+        .filter(|l| !l.contains(" others_walked=0 "))
+        .count();
+    (lines.len(), walking)
+}
+
+const SCAN_LOG: &str = "connreap=info,connreap::scan=debug";
+
+/// Panics unless a scan ran since `mark` (a [`scans`] result) and none of them walked a
+/// namespace other than the agent's own.
+fn no_walk_since(agent: &Agent, mark: (usize, usize), what: &str) {
+    let now = scans(agent);
+    assert!(now.0 > mark.0, "{what}: no scan since\n{}", agent.ctx());
+    assert_eq!(
+        now.1,
+        mark.1,
+        "{what}: a scan walked the pod's namespace\n{}",
+        agent.stderr()
+    );
 }
 
 #[test]
@@ -58,14 +81,17 @@ fn sockets_between_walks_are_read_fresh_or_carried() {
     let dir = TempDir::new("ns-walks");
     let hook = host_receiver();
     let config = host_config(&dir, &hook).netns_walk_interval("1h");
-    let agent = Agent::start_in_host(&dir, &config);
+    let agent = Agent::start_in_host_with(&dir, &config, |cmd| {
+        cmd.env("RUST_LOG", SCAN_LOG);
+    });
     agent.wait_scans(3);
-    // Only the daemon's own namespace is walked now: the pod's was walked once, when new.
-    assert_eq!(
-        walked(&agent),
-        1.0,
-        "with netns_walk_interval = 1h only connreap's own namespace is walked after the first scan\n{}",
-        agent.ctx()
+    // No namespace but the daemon's own is walked now: the pod's was walked once, when new.
+    let mark = scans(&agent);
+    agent.wait_scans(1);
+    no_walk_since(
+        &agent,
+        mark,
+        "with netns_walk_interval = 1h only connreap's own namespace may be walked after the first scan",
     );
     let orphans = rows(&agent, &pod, "FIN_WAIT2");
     assert_eq!(
@@ -120,7 +146,7 @@ fn sockets_between_walks_are_read_fresh_or_carried() {
             agent.ctx()
         )
     });
-    assert_eq!(walked(&agent), 1.0, "still no walk of the pod's namespace");
+    no_walk_since(&agent, mark, "after the second leak");
 
     // Carried rows age: a later scan shows them older by about the time passed.
     std::thread::sleep(Duration::from_secs(2));
@@ -169,6 +195,7 @@ fn unheld_sockets_read_by(form: Option<&str>, program: &str) {
     // A pin root of its own: the sweep program is loaded (and its form logged) by this agent.
     let pins = PinRoot::new(&format!("/sys/fs/bpf/connreap-test-sweep-{program}"));
     let agent = Agent::start_in_host_with(&dir, &config, |cmd| {
+        cmd.env("RUST_LOG", SCAN_LOG);
         cmd.env("CONNREAP_PIN_ROOT", &pins.0);
         if let Some(f) = form {
             cmd.env("CONNREAP_SWEEP_FORM", f);
@@ -184,7 +211,7 @@ fn unheld_sockets_read_by(form: Option<&str>, program: &str) {
         "the agent never said it loaded {program}:\n{}",
         agent.stderr()
     );
-    assert_eq!(walked(&agent), 1.0, "{}", agent.ctx());
+    let mark = scans(&agent);
 
     let addr: std::net::SocketAddr = format!("127.0.0.1:{BACKLOG_PORT}").parse().unwrap();
     let listener = maybe_in_netns(Some(pod.name()), || std::net::TcpListener::bind(addr))
@@ -213,7 +240,7 @@ fn unheld_sockets_read_by(form: Option<&str>, program: &str) {
         rows.iter().all(|s| s["pid"].is_null()),
         "not yet accepted: no process holds them: {rows:#?}"
     );
-    assert_eq!(walked(&agent), 1.0, "still no walk of the pod's namespace");
+    no_walk_since(&agent, mark, "while connections wait in the accept queue");
     // Gone from the table the scan after they close (no carried copy outlives them).
     drop(clients);
     drop(listener);
