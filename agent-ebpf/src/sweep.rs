@@ -227,113 +227,6 @@ impl Common {
     }
 }
 
-/// Fill `out` from the socket at `sk`, tracked as `entry`; left empty (skaddr 0) when the
-/// memory there is no longer a TCP socket the entry could describe, or when it is in the
-/// namespace the run skips (a record without the namespace: read first, from the socket's
-/// first cache line).
-#[inline(never)]
-fn sweep_one(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
-    let now = ask.now;
-    let c = Common(read(sk));
-    let net: u64 = c.get(sk, off!(skc_net));
-    let netns: u32 = if entry.netns != 0 {
-        entry.netns
-    } else if net != 0 {
-        read(net + off!(net_ns_inum))
-    } else {
-        0
-    };
-    if netns == ask.skip_netns && netns != 0 {
-        return;
-    }
-    out.netns = netns;
-    let family: u16 = c.get(sk, off!(skc_family));
-    let state: u8 = c.get(sk, off!(skc_state));
-    let protocol: u16 = read(sk + off!(sk_protocol));
-    if family != entry.family
-        || protocol != IPPROTO_TCP
-        || state == 0
-        || state == tcp_state::CLOSE
-        || state == tcp_state::TIME_WAIT
-        || state > tcp_state::CLOSING
-    {
-        return;
-    }
-    let (saddr, daddr) = if family == AF_INET {
-        let d: u32 = c.get(sk, off!(skc_daddr));
-        let s: u32 = c.get(sk, off!(skc_rcv_saddr));
-        ([s as u64, 0], [d as u64, 0])
-    } else if family == AF_INET6 {
-        (
-            c.get::<[u64; 2]>(sk, off!(skc_v6_rcv_saddr)),
-            c.get::<[u64; 2]>(sk, off!(skc_v6_daddr)),
-        )
-    } else {
-        return;
-    };
-    let socket: u64 = read(sk + off!(sk_socket));
-    // The inode iter/tcp kept in the record, if the record is this socket's (its ports).
-    let kept = entry.inode != 0
-        && entry.sport == c.get::<u16>(sk, off!(skc_num))
-        && entry.dport == u16::from_be(c.get(sk, off!(skc_dport)));
-    let inode = if socket == 0 {
-        0
-    } else if kept {
-        u64::from(entry.inode)
-    } else {
-        read::<u64>(socket + off!(socket_to_inode) + off!(inode_ino))
-    };
-    out.requests = 0;
-    let queues: (u32, u32) = if state == tcp_state::LISTEN {
-        out.requests = read(sk + off!(icsk_qlen));
-        (
-            read(sk + off!(sk_ack_backlog)),
-            read(sk + off!(sk_max_ack_backlog)),
-        )
-    } else {
-        let rcv_nxt: u32 = read(sk + off!(tcp_rcv_nxt));
-        let copied: u32 = read(sk + off!(tcp_copied_seq));
-        let write_seq: u32 = read(sk + off!(tcp_write_seq));
-        let snd_una: u32 = read(sk + off!(tcp_snd_una));
-        (
-            rcv_nxt.wrapping_sub(copied),
-            write_seq.wrapping_sub(snd_una),
-        )
-    };
-    let now32 = now as u32;
-    let sk_flags: u64 = c.get(sk, off!(sk_flags));
-    let mut flags = sock_flags::FULL;
-    if (sk_flags >> (off!(sock_keepopen_bit) & 63)) & 1 != 0 {
-        flags |= sock_flags::KEEPALIVE;
-    }
-    let mut age = 0;
-    if entry.state == state && entry.since_jiffies != 0 {
-        age = now.wrapping_sub(entry.since_jiffies);
-        flags |= sock_flags::SINCE_KNOWN;
-    }
-    out.sock = SockRecord {
-        skaddr: sk,
-        inode,
-        cookie: c.get(sk, off!(skc_cookie)),
-        state_age_jiffies: age,
-        saddr: crate::programs::bytes16(saddr),
-        daddr: crate::programs::bytes16(daddr),
-        family,
-        sport: c.get(sk, off!(skc_num)),
-        dport: u16::from_be(c.get(sk, off!(skc_dport))),
-        state,
-        flags,
-        uid: read(sk + off!(sk_uid)),
-        rx_queue: queues.0,
-        tx_queue: queues.1,
-        last_rcv_jiffies: now32.wrapping_sub(read(sk + off!(icsk_lrcvtime))),
-        last_snd_jiffies: now32.wrapping_sub(read(sk + off!(tcp_lsndtime))),
-        last_ack_jiffies: now32.wrapping_sub(read(sk + off!(tcp_rcv_tstamp))),
-        tw_entry_ms: 0,
-        _pad: 0,
-    };
-}
-
 /// `bpf_rdonly_cast(sk, <struct tcp_sock>)`, hand-encoded like `bpf_sock_destroy` (destroy.rs):
 /// the loader patches the call's placeholder to the kfunc's BTF id. The result is an untrusted
 /// pointer to the kernel's `struct tcp_sock`: the verifier checks each load against that
@@ -361,29 +254,92 @@ fn cast(sk: u64) -> *const u8 {
     ret as *const u8
 }
 
-/// [`sweep_one`] with plain loads through [`cast`]: the same record, the same checks.
-#[inline(never)]
-fn sweep_one_direct(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
-    use crate::programs::{addr16, sk_field as f};
-    let now = ask.now;
-    let p = cast(sk);
-    let netns: u32 = if entry.netns != 0 {
-        entry.netns
-    } else {
-        let net: *const u8 = f(p, off!(skc_net));
+/// How a form reads a socket's fields; the record and its checks ([`fill`]) are the same.
+trait Fields {
+    /// The field of type T at `off` in the socket (its `struct tcp_sock`).
+    fn at<T: Copy + Default>(&self, off: u64) -> T;
+    /// The inode of the socket's namespace, through `skc_net` (0 without one).
+    fn netns_inum(&self) -> u32;
+}
+
+/// Checked reads: the socket's first [`SPAN`] bytes at once, any other field with a helper
+/// call of its own.
+struct Helper {
+    sk: u64,
+    span: Common,
+}
+
+impl Fields for Helper {
+    #[inline(always)]
+    fn at<T: Copy + Default>(&self, off: u64) -> T {
+        self.span.get(self.sk, off)
+    }
+
+    #[inline(always)]
+    fn netns_inum(&self) -> u32 {
+        let net: u64 = self.at(off!(skc_net));
+        if net == 0 {
+            0
+        } else {
+            read(net + off!(net_ns_inum))
+        }
+    }
+}
+
+/// Plain loads through [`cast`] (6.2+).
+struct Direct(*const u8);
+
+impl Fields for Direct {
+    #[inline(always)]
+    fn at<T: Copy + Default>(&self, off: u64) -> T {
+        crate::programs::sk_field(self.0, off)
+    }
+
+    #[inline(always)]
+    fn netns_inum(&self) -> u32 {
+        let net: *const u8 = self.at(off!(skc_net));
         if net.is_null() {
             0
         } else {
-            f(net, off!(net_ns_inum))
+            crate::programs::sk_field(net, off!(net_ns_inum))
         }
+    }
+}
+
+/// The sweep's record of the socket at `sk`, read with checked reads.
+#[inline(never)]
+fn sweep_one(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
+    let fields = Helper {
+        sk,
+        span: Common(read(sk)),
+    };
+    fill(&fields, sk, entry, ask, out);
+}
+
+/// [`sweep_one`] with plain loads through [`cast`].
+#[inline(never)]
+fn sweep_one_direct(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
+    fill(&Direct(cast(sk)), sk, entry, ask, out);
+}
+
+/// Fill `out` from the socket at `sk`, tracked as `entry`, read through `f`; left empty
+/// (skaddr 0) when the memory there is no longer a TCP socket the entry could describe, or
+/// when it is in the namespace the run skips (a record without the namespace: read first).
+#[inline(always)]
+fn fill<F: Fields>(f: &F, sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecord) {
+    let now = ask.now;
+    let netns: u32 = if entry.netns != 0 {
+        entry.netns
+    } else {
+        f.netns_inum()
     };
     if netns == ask.skip_netns && netns != 0 {
         return;
     }
     out.netns = netns;
-    let family: u16 = f(p, off!(skc_family));
-    let state: u8 = f(p, off!(skc_state));
-    let protocol: u16 = f(p, off!(sk_protocol));
+    let family: u16 = f.at(off!(skc_family));
+    let state: u8 = f.at(off!(skc_state));
+    let protocol: u16 = f.at(off!(sk_protocol));
     if family != entry.family
         || protocol != IPPROTO_TCP
         || state == 0
@@ -394,22 +350,20 @@ fn sweep_one_direct(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecor
         return;
     }
     let (saddr, daddr) = if family == AF_INET {
-        let d: u32 = f(p, off!(skc_daddr));
-        let s: u32 = f(p, off!(skc_rcv_saddr));
+        let d: u32 = f.at(off!(skc_daddr));
+        let s: u32 = f.at(off!(skc_rcv_saddr));
         ([s as u64, 0], [d as u64, 0])
     } else if family == AF_INET6 {
-        (
-            addr16(p, off!(skc_v6_rcv_saddr)),
-            addr16(p, off!(skc_v6_daddr)),
-        )
+        let (s, d) = (off!(skc_v6_rcv_saddr), off!(skc_v6_daddr));
+        ([f.at(s), f.at(s + 8)], [f.at(d), f.at(d + 8)])
     } else {
         return;
     };
-    let sport: u16 = f(p, off!(skc_num));
-    let dport = u16::from_be(f(p, off!(skc_dport)));
-    let socket: u64 = f(p, off!(sk_socket));
+    let sport: u16 = f.at(off!(skc_num));
+    let dport = u16::from_be(f.at(off!(skc_dport)));
+    let socket: u64 = f.at(off!(sk_socket));
     // The inode iter/tcp kept in the record, if the record is this socket's (its ports); else
-    // through the socket (past `struct socket`, so a checked read).
+    // through the socket (past the socket's struct, so a checked read in either form).
     let kept = entry.inode != 0 && entry.sport == sport && entry.dport == dport;
     let inode = if socket == 0 {
         0
@@ -420,20 +374,20 @@ fn sweep_one_direct(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecor
     };
     out.requests = 0;
     let queues: (u32, u32) = if state == tcp_state::LISTEN {
-        out.requests = f(p, off!(icsk_qlen));
-        (f(p, off!(sk_ack_backlog)), f(p, off!(sk_max_ack_backlog)))
+        out.requests = f.at(off!(icsk_qlen));
+        (f.at(off!(sk_ack_backlog)), f.at(off!(sk_max_ack_backlog)))
     } else {
-        let rcv_nxt: u32 = f(p, off!(tcp_rcv_nxt));
-        let copied: u32 = f(p, off!(tcp_copied_seq));
-        let write_seq: u32 = f(p, off!(tcp_write_seq));
-        let snd_una: u32 = f(p, off!(tcp_snd_una));
+        let rcv_nxt: u32 = f.at(off!(tcp_rcv_nxt));
+        let copied: u32 = f.at(off!(tcp_copied_seq));
+        let write_seq: u32 = f.at(off!(tcp_write_seq));
+        let snd_una: u32 = f.at(off!(tcp_snd_una));
         (
             rcv_nxt.wrapping_sub(copied),
             write_seq.wrapping_sub(snd_una),
         )
     };
     let now32 = now as u32;
-    let sk_flags: u64 = f(p, off!(sk_flags));
+    let sk_flags: u64 = f.at(off!(sk_flags));
     let mut flags = sock_flags::FULL;
     if (sk_flags >> (off!(sock_keepopen_bit) & 63)) & 1 != 0 {
         flags |= sock_flags::KEEPALIVE;
@@ -443,13 +397,13 @@ fn sweep_one_direct(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecor
         age = now.wrapping_sub(entry.since_jiffies);
         flags |= sock_flags::SINCE_KNOWN;
     }
-    let lrcv: u32 = f(p, off!(icsk_lrcvtime));
-    let lsnd: u32 = f(p, off!(tcp_lsndtime));
-    let ack: u32 = f(p, off!(tcp_rcv_tstamp));
+    let lrcv: u32 = f.at(off!(icsk_lrcvtime));
+    let lsnd: u32 = f.at(off!(tcp_lsndtime));
+    let ack: u32 = f.at(off!(tcp_rcv_tstamp));
     out.sock = SockRecord {
         skaddr: sk,
         inode,
-        cookie: f(p, off!(skc_cookie)),
+        cookie: f.at(off!(skc_cookie)),
         state_age_jiffies: age,
         saddr: crate::programs::bytes16(saddr),
         daddr: crate::programs::bytes16(daddr),
@@ -458,7 +412,7 @@ fn sweep_one_direct(sk: u64, entry: &StateEntry, ask: &Ask, out: &mut SweepRecor
         dport,
         state,
         flags,
-        uid: f(p, off!(sk_uid)),
+        uid: f.at(off!(sk_uid)),
         rx_queue: queues.0,
         tx_queue: queues.1,
         last_rcv_jiffies: now32.wrapping_sub(lrcv),
