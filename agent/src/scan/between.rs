@@ -25,7 +25,9 @@ type SweepResult = (kernel::Dump, FxHashMap<u32, Swept>);
 /// vanished from discovery since the last scan but is still held becomes a row. Returns the
 /// owner dump and the sweep (None: the plain owner dump, no namespace between walks, no look).
 /// `parts` are the quiet namespaces' parts of the table (due a walk, not walked: see
-/// `walk::worth_walking`): they get their swept rows and their last walk's untracked sockets.
+/// `walk::worth_walking`): they get their swept rows and what their last walk carries to a
+/// quiet scan (`walk::kept_when_quiet`). A timewait socket whose 60 s are over is carried to
+/// no scan.
 /// The sweep skips namespace `skip`'s sockets (0: none).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn owners_and_between(
@@ -105,7 +107,8 @@ pub(super) fn owners_and_between(
     }
     for ns in between {
         if let (Some(last), Some(&part)) = (walks.last(ns.inode), parts.get(&ns.inode)) {
-            for r in walk::carried(last, |a| swept.contains(&a), now_ns, hz) {
+            let carried = walk::carried(last, |a| swept.contains(&a), now_ns, hz);
+            for r in carried.filter(|r| walk::timewait_alive(r, now_ns) != Some(false)) {
                 b.push_in(part, &r);
             }
         }
@@ -113,7 +116,7 @@ pub(super) fn owners_and_between(
     for inode in quiet {
         if let (Some(last), Some(&part)) = (walks.last(inode), parts.get(&inode)) {
             let carried = walk::carried(last, |a| swept.contains(&a), now_ns, hz);
-            for r in carried.filter(walk::untracked) {
+            for r in carried.filter(|r| walk::kept_when_quiet(r, now_ns)) {
                 b.push_in(part, &r);
             }
         }

@@ -25,7 +25,7 @@ use crate::{
 use hidden::{Hidden, Look};
 use rustc_hash::{FxHashMap, FxHashSet};
 pub use walk::every as walk_every;
-use walk::{Swept, Walked, Walks};
+use walk::{Carried, Swept, Walked, Walks};
 
 /// A process's unit and container (with its pod, name and image when known), from one read of
 /// its cgroup file.
@@ -235,11 +235,11 @@ impl Scanner {
             }
             NsEvent::Socket(r) => {
                 if let Some((_, w)) = walked.last_mut() {
-                    // The own namespace is never between walks: only its untracked sockets
-                    // are ever carried (by quiet scans).
+                    // The own namespace is never between walks: only what quiet scans carry
+                    // is kept (untracked and timewait sockets, not request sockets).
                     let keep = if in_own {
                         own_walk.add_walked(&r);
-                        walk::untracked(&r)
+                        walk::untracked(&r) || walk::timewait(&r)
                     } else {
                         walk::carried_between(&r)
                     };
@@ -312,7 +312,7 @@ impl Scanner {
         } else {
             // A namespace due for its walk (the own one on every scan) that has nothing the
             // sweep cannot read is not walked ("quiet"): its rows come from the sweep like those
-            // between walks, plus the untracked sockets its last walk found.
+            // between walks, plus what its last walk found that the sweep cannot read.
             let (walks, last_sweep) = (&self.walks, &self.swept);
             let must_walk = |ns: &Namespace| {
                 let last = walks.last(ns.inode);
@@ -322,7 +322,7 @@ impl Scanner {
                     || walk::worth_walking(
                         procfs::sockstat(),
                         last_sweep.get(&ns.inode),
-                        last.map_or(0, Walked::untracked),
+                        last.map_or(Carried::NOTHING, |w| w.carried_at(start_ns)),
                         walks.due(ns.inode, forced),
                     );
                 if !walk {
@@ -372,7 +372,7 @@ impl Scanner {
         let mut own_walked = None;
         for (inode, w) in walked {
             let w = match self.walks.last(inode) {
-                Some(last) if quiet.contains(&inode) => w.after_quiet(last),
+                Some(last) if quiet.contains(&inode) => w.after_quiet(last, start_ns),
                 _ => {
                     if spaces.iter().any(|n| n.own && n.inode == inode) {
                         own_walked = Some((inode, own_walk));

@@ -15,13 +15,16 @@
 //!
 //! A namespace whose walk is due, its own included on every scan, is still only walked when
 //! the walk would read something the sweep does not (`worth_walking`, judged from the
-//! kernel's socket counts): otherwise ("quiet") the sweep reads it, and the full sockets its
-//! last walk found untracked are carried. So the own namespace stays fresh on every scan:
-//! walked whenever it has a timewait or request socket, or a socket the sweep cannot account
-//! for, and its untracked sockets re-read by a walk at least once per `every` scans.
+//! kernel's socket counts): otherwise ("quiet") the sweep reads it, and what its last walk
+//! read that the sweep cannot is carried: the full sockets the table had no room for, and the
+//! TIME_WAIT sockets still alive (a TIME_WAIT socket lives a fixed 60 s from the kernel's
+//! stamp of its entry, 6.13+: `timewait_alive`). So the own namespace stays fresh on every
+//! scan: walked whenever the kernel counts a timewait socket not carried, a request socket, or
+//! a socket the sweep cannot account for, and what it carries re-read by a walk at least once
+//! per `every` scans.
 use std::{collections::HashMap, ops::RangeInclusive};
 
-use connreap_ebpf::{sock_flags, SockRecord};
+use connreap_ebpf::{sock_flags, tcp_state, SockRecord};
 
 use crate::kernel::procfs::SockStat;
 
@@ -38,27 +41,98 @@ pub struct Walked {
     pub unheld: Vec<SockRecord>,
 }
 
+/// What a namespace's last walk leaves for a scan at some time that the sweep cannot read:
+/// its untracked full sockets, and its timewait sockets alive then (None: one whose fate is
+/// not known, see [`timewait_alive`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Carried {
+    pub untracked: u64,
+    pub timewait: Option<u64>,
+}
+
+impl Carried {
+    /// Nothing carried (never read by this rule: a namespace never walked is walked).
+    pub const NOTHING: Carried = Carried {
+        untracked: 0,
+        timewait: Some(0),
+    };
+}
+
 impl Walked {
-    /// Its full sockets the state table had no room for.
-    pub fn untracked(&self) -> u64 {
-        self.unheld.iter().filter(|r| untracked(r)).count() as u64
+    /// What this walk leaves for a scan at `now_ns`.
+    pub fn carried_at(&self, now_ns: u64) -> Carried {
+        let mut c = Carried::NOTHING;
+        for r in &self.unheld {
+            if untracked(r) {
+                c.untracked += 1;
+            } else if timewait(r) {
+                c.timewait = match (c.timewait, timewait_alive(r, now_ns)) {
+                    (Some(n), Some(true)) => Some(n + 1),
+                    (n, Some(false)) => n,
+                    (None, _) | (_, None) => None,
+                };
+            }
+        }
+        c
     }
 
-    /// What a quiet scan (a due walk skipped: see [`worth_walking`]) keeps of `last`, the
-    /// namespace's last real walk, with this scan's sysctls (`self`): the untracked sockets
-    /// and when they were read. Its timewait and request sockets are not kept: the kernel
-    /// counted none of them now.
-    pub fn after_quiet(self, last: &Walked) -> Walked {
+    /// What a quiet scan at `now_ns` (a due walk skipped: see [`worth_walking`]) keeps of
+    /// `last`, the namespace's last real walk, with this scan's sysctls (`self`): what it
+    /// carries (see [`kept_when_quiet`]) and when that was read. Its request sockets are not
+    /// kept: the sweep counted none.
+    pub fn after_quiet(self, last: &Walked, now_ns: u64) -> Walked {
         Walked {
             at_ns: last.at_ns,
             unheld: last
                 .unheld
                 .iter()
-                .filter(|r| untracked(r))
+                .filter(|r| kept_when_quiet(r, now_ns))
                 .copied()
                 .collect(),
             ..self
         }
+    }
+}
+
+/// Whether a quiet scan at `now_ns` carries a record of the namespace's last walk: an
+/// untracked full socket, or a timewait socket alive then (a quiet scan found the kernel's
+/// count of timewait sockets equal to those alive: see [`worth_walking`]).
+pub fn kept_when_quiet(r: &SockRecord, now_ns: u64) -> bool {
+    untracked(r) || (timewait(r) && timewait_alive(r, now_ns) == Some(true))
+}
+
+/// Whether a walk's record is a timewait socket (not a full socket, not a request socket).
+pub fn timewait(r: &SockRecord) -> bool {
+    r.flags & sock_flags::FULL == 0 && r.state != TCP_SYN_RECV
+}
+
+/// How long a TIME_WAIT socket lives: `TCP_TIMEWAIT_LEN`, a kernel constant (no sysctl).
+const TIMEWAIT_LIFE_MS: u32 = 60_000;
+/// How late its timer may fire: the timer wheel rounds a 60 s timeout up to its level's
+/// granularity, 512 jiffies at HZ 100 to 1000 (5.12 s at HZ 100); plus a margin.
+const TIMEWAIT_LATE_MS: u32 = 6_000;
+/// How early it may seem to die: the stamp is taken just before the timer is armed.
+const TIMEWAIT_EARLY_MS: u32 = 1_000;
+
+/// Whether a walk's TIME_WAIT socket is still alive at `now_ns` (CLOCK_MONOTONIC): known only
+/// from the kernel's stamp of its entry (`TW_ENTRY`, 6.13+) and outside the seconds around its
+/// timer's expiry; None otherwise, and for a timewait socket in FIN_WAIT2 (its timeout is a
+/// sysctl, and it may yet enter TIME_WAIT and live another 60 s).
+pub fn timewait_alive(r: &SockRecord, now_ns: u64) -> Option<bool> {
+    if r.state != tcp_state::TIME_WAIT || r.flags & sock_flags::TW_ENTRY == 0 {
+        return None;
+    }
+    // Both are CLOCK_MONOTONIC; the stamp is its low 32 bits in ms.
+    let age = ((now_ns / 1_000_000) as u32).wrapping_sub(r.tw_entry_ms);
+    if age > u32::MAX / 2 {
+        // A stamp ahead of now: it entered just now.
+        Some(true)
+    } else if age < TIMEWAIT_LIFE_MS - TIMEWAIT_EARLY_MS {
+        Some(true)
+    } else if age >= TIMEWAIT_LIFE_MS + TIMEWAIT_LATE_MS {
+        Some(false)
+    } else {
+        None
     }
 }
 
@@ -158,28 +232,30 @@ impl Swept {
 }
 
 /// `TCP_SYN_RECV`: how a walk shows a request socket.
-const TCP_SYN_RECV: u8 = 3;
+const TCP_SYN_RECV: u8 = tcp_state::SYN_RECV;
 
 /// Whether a namespace's walk would read anything the sweep does not, judged from what the
 /// kernel counts in it (`stat`, no socket visited) against what the last sweep read of it and
-/// the `carried` untracked full sockets of its last walk: timewait sockets, request sockets,
-/// or more hashed full sockets than those (some have no record in the table: they predate the
-/// tracker, or their set was full, or they are newer than the sweep). With untracked sockets
-/// carried, also when fewer are hashed (one of them may have closed) and when their re-read is
-/// `due`. Unknown counts: walk.
+/// what its last walk `carried` now: a timewait socket not carried (or a carried one gone
+/// early, or one whose fate is not known), a request socket, or more hashed full sockets than
+/// the sweep read and the untracked ones carried (some have no record in the table: they
+/// predate the tracker, or their set was full, or they are newer than the sweep). With
+/// anything carried, also when fewer are hashed (an untracked one may have closed) and when
+/// its re-read is `due`. Unknown counts: walk.
 pub fn worth_walking(
     stat: Option<SockStat>,
     swept: Option<&Swept>,
-    carried: u64,
+    carried: Carried,
     due: bool,
 ) -> bool {
     match (stat, swept) {
         (Some(stat), Some(swept)) => {
-            let accounted = swept.sockets + carried;
-            stat.tw > 0
+            let accounted = swept.sockets + carried.untracked;
+            let carries = carried.untracked > 0 || stat.tw > 0;
+            carried.timewait != Some(stat.tw)
                 || swept.requests > 0
                 || stat.inuse > accounted
-                || (carried > 0 && (due || stat.inuse < accounted))
+                || (carries && (due || stat.inuse < accounted))
         }
         _ => true,
     }
@@ -315,44 +391,109 @@ mod tests {
         assert_eq!(jiffies(2_000_000_000, 250), 500);
     }
 
+    fn carrying(untracked: u64, timewait: Option<u64>) -> Carried {
+        Carried {
+            untracked,
+            timewait,
+        }
+    }
+
     #[test]
     fn a_due_walk_is_skipped_only_when_the_sweep_read_everything() {
         let stat = |inuse, tw| Some(SockStat { inuse, tw });
         let swept = |sockets, requests| Swept { sockets, requests };
+        let none = Carried::NOTHING;
         let walk = |st, sw, carried, due| worth_walking(st, Some(&sw), carried, due);
-        assert!(!walk(stat(1001, 0), swept(1001, 0), 0, true));
+        assert!(!walk(stat(1001, 0), swept(1001, 0), none, true));
         // The sweep read more than were hashed then (a socket since closed): nothing missed.
-        assert!(!walk(stat(990, 0), swept(1001, 0), 0, true));
-        assert!(walk(stat(1001, 3), swept(1001, 0), 0, true), "timewait");
-        assert!(walk(stat(1001, 0), swept(1001, 2), 0, true), "requests");
-        assert!(walk(stat(1002, 0), swept(1001, 0), 0, true), "untracked");
+        assert!(!walk(stat(990, 0), swept(1001, 0), none, true));
+        assert!(walk(stat(1001, 3), swept(1001, 0), none, true), "timewait");
+        assert!(walk(stat(1001, 0), swept(1001, 2), none, true), "requests");
+        assert!(walk(stat(1002, 0), swept(1001, 0), none, true), "untracked");
         assert!(
-            worth_walking(None, Some(&swept(1, 0)), 0, true),
+            worth_walking(None, Some(&swept(1, 0)), none, true),
             "no sockstat"
         );
-        assert!(worth_walking(stat(0, 0), None, 0, true), "never swept");
+        assert!(worth_walking(stat(0, 0), None, none, true), "never swept");
     }
 
     #[test]
-    fn carried_untracked_sockets_are_re_read_when_due_or_when_one_may_have_closed() {
+    fn carried_sockets_are_re_read_when_due_or_when_one_may_have_closed() {
         let stat = |inuse| Some(SockStat { inuse, tw: 0 });
         let swept = Swept {
             sockets: 1000,
             requests: 0,
         };
+        let ten = carrying(10, Some(0));
         // 10 untracked carried: 1010 hashed is all accounted for until the re-read is due.
-        assert!(!worth_walking(stat(1010), Some(&swept), 10, false));
-        assert!(worth_walking(stat(1010), Some(&swept), 10, true), "due");
+        assert!(!worth_walking(stat(1010), Some(&swept), ten, false));
+        assert!(worth_walking(stat(1010), Some(&swept), ten, true), "due");
         assert!(
-            worth_walking(stat(1011), Some(&swept), 10, false),
+            worth_walking(stat(1011), Some(&swept), ten, false),
             "a new one"
         );
         assert!(
-            worth_walking(stat(1009), Some(&swept), 10, false),
+            worth_walking(stat(1009), Some(&swept), ten, false),
             "one closed: maybe a carried one"
         );
-        // Without any carried, a due turn alone is no reason.
-        assert!(!worth_walking(stat(1000), Some(&swept), 0, true));
+        // Without anything carried, a due turn alone is no reason.
+        assert!(!worth_walking(
+            stat(1000),
+            Some(&swept),
+            Carried::NOTHING,
+            true
+        ));
+    }
+
+    #[test]
+    fn carried_timewait_sockets_stand_in_while_the_kernel_counts_as_many() {
+        let stat = |tw| Some(SockStat { inuse: 1000, tw });
+        let swept = Swept {
+            sockets: 1000,
+            requests: 0,
+        };
+        let walk = |tw, carried, due| worth_walking(stat(tw), Some(&swept), carried, due);
+        assert!(!walk(3, carrying(0, Some(3)), false), "the same 3");
+        assert!(walk(4, carrying(0, Some(3)), false), "a new one");
+        assert!(walk(2, carrying(0, Some(3)), false), "one gone early");
+        assert!(walk(3, carrying(0, None), false), "one near its end");
+        assert!(walk(3, carrying(0, Some(3)), true), "re-read due");
+        // All gone, as predicted: nothing carried, nothing counted.
+        assert!(!walk(0, carrying(0, Some(0)), true));
+    }
+
+    #[test]
+    fn a_timewait_socket_lives_60_s_from_its_stamp() {
+        let tw = |stamp_ms: u32| SockRecord {
+            state: tcp_state::TIME_WAIT,
+            tw_entry_ms: stamp_ms,
+            ..rec(1, 0, sock_flags::TW_ENTRY)
+        };
+        let at = |ms: u64| ms * 1_000_000;
+        let r = tw(10_000);
+        assert_eq!(timewait_alive(&r, at(10_000)), Some(true));
+        assert_eq!(timewait_alive(&r, at(68_000)), Some(true));
+        assert_eq!(timewait_alive(&r, at(69_500)), None, "about to end");
+        assert_eq!(timewait_alive(&r, at(75_000)), None, "its timer late");
+        assert_eq!(timewait_alive(&r, at(76_000)), Some(false));
+        // A stamp just ahead of the reader's clock; the stamp's 32 bits wrap.
+        assert_eq!(timewait_alive(&r, at(9_999)), Some(true));
+        let wrapped = tw(u32::MAX - 1_000);
+        assert_eq!(
+            timewait_alive(&wrapped, at(u64::from(u32::MAX) + 2_000)),
+            Some(true)
+        );
+        // Without the kernel's stamp (before 6.13), or in FIN_WAIT2: not known.
+        let no_stamp = SockRecord {
+            state: tcp_state::TIME_WAIT,
+            ..rec(1, 0, sock_flags::SINCE_KNOWN)
+        };
+        assert_eq!(timewait_alive(&no_stamp, at(1)), None);
+        let fin_wait2 = SockRecord {
+            state: tcp_state::FIN_WAIT2,
+            ..tw(10_000)
+        };
+        assert_eq!(timewait_alive(&fin_wait2, at(10_001)), None);
     }
 
     #[test]
@@ -373,28 +514,45 @@ mod tests {
                 requests: 1
             }
         );
+        assert!(!timewait(&request) && timewait(&rec(3, 0, sock_flags::TW_ENTRY)));
     }
 
     #[test]
-    fn a_quiet_scan_keeps_the_last_walks_untracked_sockets_only() {
+    fn a_quiet_scan_keeps_what_it_carries_and_when_that_was_read() {
+        let tw = |skaddr, stamp_ms| SockRecord {
+            state: tcp_state::TIME_WAIT,
+            tw_entry_ms: stamp_ms,
+            ..rec(skaddr, 0, sock_flags::TW_ENTRY)
+        };
+        let request = SockRecord {
+            state: TCP_SYN_RECV,
+            ..rec(4, 0, 0)
+        };
         let last = Walked {
             at_ns: 5,
             unheld: vec![
                 rec(1, 0, sock_flags::FULL | sock_flags::UNTRACKED),
-                rec(2, 0, sock_flags::TW_ENTRY),
+                tw(2, 50_000),
+                tw(3, 1_000),
+                request,
             ],
             ..Walked::default()
         };
-        assert_eq!(last.untracked(), 1);
-        let now = Walked {
-            at_ns: 9,
+        // At 70 s: 2 is alive (20 s old), 3 is gone (69 s old).
+        let now = 70_000 * 1_000_000;
+        assert_eq!(last.carried_at(now), carrying(1, Some(1)));
+        let fresh = Walked {
+            at_ns: now,
             ephemeral: Some(1000..=2000),
             ..Walked::default()
         };
-        let kept = now.after_quiet(&last);
-        assert_eq!((kept.at_ns, kept.unheld.len()), (5, 1));
-        assert_eq!(kept.unheld[0].skaddr, 1);
+        let kept = fresh.after_quiet(&last, now);
+        assert_eq!(kept.at_ns, 5);
+        let addrs: Vec<u64> = kept.unheld.iter().map(|r| r.skaddr).collect();
+        assert_eq!(addrs, vec![1, 2]);
         assert_eq!(kept.ephemeral, Some(1000..=2000));
+        // 3 at 61 s: its end not known yet.
+        assert_eq!(last.carried_at(62_000 * 1_000_000).timewait, None);
     }
 
     #[test]
