@@ -4,7 +4,7 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{
     hidden::Look,
-    hidden_row, netns_row,
+    hidden_row, netns_row, timewait,
     walk::{self, Swept, Walks},
 };
 use crate::{
@@ -108,7 +108,7 @@ pub(super) fn owners_and_between(
     for ns in between {
         if let (Some(last), Some(&part)) = (walks.last(ns.inode), parts.get(&ns.inode)) {
             let carried = walk::carried(last, |a| swept.contains(&a), now_ns, hz);
-            for r in carried.filter(|r| walk::timewait_alive(r, now_ns) != Some(false)) {
+            for r in carried.filter(|r| timewait::alive(r, now_ns) != Some(false)) {
                 b.push_in(part, &r);
             }
         }

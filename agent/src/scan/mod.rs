@@ -5,6 +5,7 @@
 mod between;
 mod hidden;
 mod owners;
+mod timewait;
 mod walk;
 
 use std::{
@@ -239,7 +240,7 @@ impl Scanner {
                     // is kept (untracked and timewait sockets, not request sockets).
                     let keep = if in_own {
                         own_walk.add_walked(&r);
-                        walk::untracked(&r) || walk::timewait(&r)
+                        walk::untracked(&r) || timewait::is_timewait(&r)
                     } else {
                         walk::carried_between(&r)
                     };

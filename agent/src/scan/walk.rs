@@ -18,7 +18,7 @@
 //! kernel's socket counts): otherwise ("quiet") the sweep reads it, and what its last walk
 //! read that the sweep cannot is carried: the full sockets the table had no room for, and the
 //! TIME_WAIT sockets still alive (a TIME_WAIT socket lives a fixed 60 s from the kernel's
-//! stamp of its entry, 6.13+: `timewait_alive`). So the own namespace stays fresh on every
+//! stamp of its entry, 6.13+: `timewait::alive`). So the own namespace stays fresh on every
 //! scan: walked whenever the kernel counts a timewait socket not carried, a request socket, or
 //! a socket the sweep cannot account for, and what it carries re-read by a walk at least once
 //! per `every` scans.
@@ -26,6 +26,7 @@ use std::{collections::HashMap, ops::RangeInclusive};
 
 use connreap_ebpf::{sock_flags, tcp_state, SockRecord};
 
+use super::timewait;
 use crate::kernel::procfs::SockStat;
 
 /// What was kept of a namespace's last walk.
@@ -43,7 +44,7 @@ pub struct Walked {
 
 /// What a namespace's last walk leaves for a scan at some time that the sweep cannot read:
 /// its untracked full sockets, and its timewait sockets alive then (None: one whose fate is
-/// not known, see [`timewait_alive`]).
+/// not known, see [`timewait::alive`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Carried {
     pub untracked: u64,
@@ -65,8 +66,8 @@ impl Walked {
         for r in &self.unheld {
             if untracked(r) {
                 c.untracked += 1;
-            } else if timewait(r) {
-                c.timewait = match (c.timewait, timewait_alive(r, now_ns)) {
+            } else if timewait::is_timewait(r) {
+                c.timewait = match (c.timewait, timewait::alive(r, now_ns)) {
                     (Some(n), Some(true)) => Some(n + 1),
                     (n, Some(false)) => n,
                     (None, _) | (_, None) => None,
@@ -98,42 +99,7 @@ impl Walked {
 /// untracked full socket, or a timewait socket alive then (a quiet scan found the kernel's
 /// count of timewait sockets equal to those alive: see [`worth_walking`]).
 pub fn kept_when_quiet(r: &SockRecord, now_ns: u64) -> bool {
-    untracked(r) || (timewait(r) && timewait_alive(r, now_ns) == Some(true))
-}
-
-/// Whether a walk's record is a timewait socket (not a full socket, not a request socket).
-pub fn timewait(r: &SockRecord) -> bool {
-    r.flags & sock_flags::FULL == 0 && r.state != TCP_SYN_RECV
-}
-
-/// How long a TIME_WAIT socket lives: `TCP_TIMEWAIT_LEN`, a kernel constant (no sysctl).
-const TIMEWAIT_LIFE_MS: u32 = 60_000;
-/// How late its timer may fire: the timer wheel rounds a 60 s timeout up to its level's
-/// granularity, 512 jiffies at HZ 100 to 1000 (5.12 s at HZ 100); plus a margin.
-const TIMEWAIT_LATE_MS: u32 = 6_000;
-/// How early it may seem to die: the stamp is taken just before the timer is armed.
-const TIMEWAIT_EARLY_MS: u32 = 1_000;
-
-/// Whether a walk's TIME_WAIT socket is still alive at `now_ns` (CLOCK_MONOTONIC): known only
-/// from the kernel's stamp of its entry (`TW_ENTRY`, 6.13+) and outside the seconds around its
-/// timer's expiry; None otherwise, and for a timewait socket in FIN_WAIT2 (its timeout is a
-/// sysctl, and it may yet enter TIME_WAIT and live another 60 s).
-pub fn timewait_alive(r: &SockRecord, now_ns: u64) -> Option<bool> {
-    if r.state != tcp_state::TIME_WAIT || r.flags & sock_flags::TW_ENTRY == 0 {
-        return None;
-    }
-    // Both are CLOCK_MONOTONIC; the stamp is its low 32 bits in ms.
-    let age = ((now_ns / 1_000_000) as u32).wrapping_sub(r.tw_entry_ms);
-    if age > u32::MAX / 2 {
-        // A stamp ahead of now: it entered just now.
-        Some(true)
-    } else if age < TIMEWAIT_LIFE_MS - TIMEWAIT_EARLY_MS {
-        Some(true)
-    } else if age >= TIMEWAIT_LIFE_MS + TIMEWAIT_LATE_MS {
-        Some(false)
-    } else {
-        None
-    }
+    untracked(r) || (timewait::is_timewait(r) && timewait::alive(r, now_ns) == Some(true))
 }
 
 /// Which scans walk which namespaces, and the last walk of each.
@@ -232,7 +198,7 @@ impl Swept {
 }
 
 /// `TCP_SYN_RECV`: how a walk shows a request socket.
-const TCP_SYN_RECV: u8 = tcp_state::SYN_RECV;
+pub(super) const TCP_SYN_RECV: u8 = tcp_state::SYN_RECV;
 
 /// Whether a namespace's walk would read anything the sweep does not, judged from what the
 /// kernel counts in it (`stat`, no socket visited) against what the last sweep read of it and
@@ -463,40 +429,6 @@ mod tests {
     }
 
     #[test]
-    fn a_timewait_socket_lives_60_s_from_its_stamp() {
-        let tw = |stamp_ms: u32| SockRecord {
-            state: tcp_state::TIME_WAIT,
-            tw_entry_ms: stamp_ms,
-            ..rec(1, 0, sock_flags::TW_ENTRY)
-        };
-        let at = |ms: u64| ms * 1_000_000;
-        let r = tw(10_000);
-        assert_eq!(timewait_alive(&r, at(10_000)), Some(true));
-        assert_eq!(timewait_alive(&r, at(68_000)), Some(true));
-        assert_eq!(timewait_alive(&r, at(69_500)), None, "about to end");
-        assert_eq!(timewait_alive(&r, at(75_000)), None, "its timer late");
-        assert_eq!(timewait_alive(&r, at(76_000)), Some(false));
-        // A stamp just ahead of the reader's clock; the stamp's 32 bits wrap.
-        assert_eq!(timewait_alive(&r, at(9_999)), Some(true));
-        let wrapped = tw(u32::MAX - 1_000);
-        assert_eq!(
-            timewait_alive(&wrapped, at(u64::from(u32::MAX) + 2_000)),
-            Some(true)
-        );
-        // Without the kernel's stamp (before 6.13), or in FIN_WAIT2: not known.
-        let no_stamp = SockRecord {
-            state: tcp_state::TIME_WAIT,
-            ..rec(1, 0, sock_flags::SINCE_KNOWN)
-        };
-        assert_eq!(timewait_alive(&no_stamp, at(1)), None);
-        let fin_wait2 = SockRecord {
-            state: tcp_state::FIN_WAIT2,
-            ..tw(10_000)
-        };
-        assert_eq!(timewait_alive(&fin_wait2, at(10_001)), None);
-    }
-
-    #[test]
     fn a_walk_counts_what_the_sweep_would_read() {
         let mut s = Swept::default();
         s.add_walked(&rec(1, 9, sock_flags::FULL | sock_flags::SINCE_KNOWN));
@@ -514,7 +446,10 @@ mod tests {
                 requests: 1
             }
         );
-        assert!(!timewait(&request) && timewait(&rec(3, 0, sock_flags::TW_ENTRY)));
+        assert!(
+            !timewait::is_timewait(&request)
+                && timewait::is_timewait(&rec(3, 0, sock_flags::TW_ENTRY))
+        );
     }
 
     #[test]
