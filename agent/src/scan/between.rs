@@ -4,7 +4,9 @@ use rustc_hash::{FxHashMap, FxHashSet};
 
 use super::{
     hidden::Look,
-    hidden_row, netns_row, timewait,
+    hidden_row, netns_row,
+    quiet::{self, Quiet},
+    timewait,
     walk::{self, Swept, Walks},
 };
 use crate::{
@@ -24,9 +26,9 @@ type SweepResult = (kernel::Dump, FxHashMap<u32, Swept>);
 /// discovery did not find are noted from the owner dump, and every socket of a namespace that
 /// vanished from discovery since the last scan but is still held becomes a row. Returns the
 /// owner dump and the sweep (None: the plain owner dump, no namespace between walks, no look).
-/// `parts` are the quiet namespaces' parts of the table (due a walk, not walked: see
-/// `walk::worth_walking`): they get their swept rows and what their last walk carries to a
-/// quiet scan (`walk::kept_when_quiet`). A timewait socket whose 60 s are over is carried to
+/// `quiet` are the quiet namespaces (due a walk, not walked: see `quiet::judge`), each with
+/// its part of the table: they get their swept rows and what their last walk carries to a
+/// quiet scan (`quiet::kept`). A timewait socket whose 60 s are over is carried to
 /// no scan.
 /// The sweep skips namespace `skip`'s sockets (0: none).
 #[allow(clippy::too_many_arguments)]
@@ -36,7 +38,7 @@ pub(super) fn owners_and_between(
     walks: &Walks,
     skip: u32,
     between: &[Namespace],
-    mut parts: FxHashMap<u32, usize>,
+    quiet: &[(u32, usize, Quiet)],
     mut look: Option<&mut Look>,
     b: &mut TableBuilder<'_>,
     holders: &mut Holders,
@@ -51,7 +53,7 @@ pub(super) fn owners_and_between(
             kernel.for_each_owner(f)
         }
     };
-    if between.is_empty() && parts.is_empty() && look.is_none() {
+    if between.is_empty() && quiet.is_empty() && look.is_none() {
         return Ok((owner_dump(kernel, &mut |o| holders.push(&o))?, None));
     }
     if !kernel.sweeps() {
@@ -61,7 +63,7 @@ pub(super) fn owners_and_between(
         let dump = look_without_sweep(kernel, walks, look, b, holders)?;
         return Ok((dump, None));
     }
-    let quiet: Vec<u32> = parts.keys().copied().collect();
+    let mut parts: FxHashMap<u32, usize> = quiet.iter().map(|&(i, part, _)| (i, part)).collect();
     parts.extend(between.iter().map(|ns| {
         let last = walks.last(ns.inode);
         let ephemeral = last.and_then(|w| w.ephemeral.clone());
@@ -113,10 +115,10 @@ pub(super) fn owners_and_between(
             }
         }
     }
-    for inode in quiet {
-        if let (Some(last), Some(&part)) = (walks.last(inode), parts.get(&inode)) {
+    for &(inode, part, q) in quiet {
+        if let Some(last) = walks.last(inode) {
             let carried = walk::carried(last, |a| swept.contains(&a), now_ns, hz);
-            for r in carried.filter(|r| walk::kept_when_quiet(r, now_ns)) {
+            for r in carried.filter(|r| quiet::kept(r, now_ns, q)) {
                 b.push_in(part, &r);
             }
         }

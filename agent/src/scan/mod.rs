@@ -5,6 +5,7 @@
 mod between;
 mod hidden;
 mod owners;
+mod quiet;
 mod timewait;
 mod walk;
 
@@ -24,9 +25,10 @@ use crate::{
     table::{self, FirstSeen, Holders, Netns, ProcessFacts, Socket, TableBuilder},
 };
 use hidden::{Hidden, Look};
+use quiet::Quiet;
 use rustc_hash::{FxHashMap, FxHashSet};
 pub use walk::every as walk_every;
-use walk::{Carried, Swept, Walked, Walks};
+use walk::{Swept, Walked, Walks};
 
 /// A process's unit and container (with its pod, name and image when known), from one read of
 /// its cgroup file.
@@ -82,7 +84,7 @@ pub struct Scanner {
     walks: Walks,
     /// Namespaces known only through sockets processes hold in them.
     hidden: Hidden,
-    /// What the last sweep read of each namespace (see `walk::worth_walking`).
+    /// What the last sweep read of each namespace (see `quiet::judge`).
     swept: FxHashMap<u32, Swept>,
     /// The last owner dump's holders, what the kernel counted when it was taken, and whether
     /// the last table had a socket waiting to be accepted (see `owners`).
@@ -211,7 +213,7 @@ impl Scanner {
         // What each entered namespace leaves for the scans until its next walk.
         let mut walked: Vec<(u32, Walked)> = Vec::new();
         // What a walk of the own namespace read that the sweep would (for the next scan's
-        // judgement of it: see `walk::worth_walking`).
+        // judgement of it: see `quiet::judge`).
         let mut own_walk = Swept::default();
         let mut in_own = false;
         // Each entered namespace's part of the table (for the quiet ones' swept rows).
@@ -283,7 +285,7 @@ impl Scanner {
         } else {
             Holders::default()
         };
-        let mut quiet: Vec<u32> = Vec::new();
+        let mut quiet: Vec<(u32, Quiet)> = Vec::new();
         let (mut all, owners, swept) = if parallel {
             let mut on_socket = on_socket;
             let (mut sockets, owners) = self.kernel.for_each_both(
@@ -317,37 +319,44 @@ impl Scanner {
             let (walks, last_sweep) = (&self.walks, &self.swept);
             let must_walk = |ns: &Namespace| {
                 let last = walks.last(ns.inode);
-                let walk = forced.contains(&ns.inode)
-                    || !sweeps
-                    || last.is_none()
-                    || walk::worth_walking(
-                        procfs::sockstat(),
-                        last_sweep.get(&ns.inode),
-                        last.map_or(Carried::NOTHING, |w| w.carried_at(start_ns)),
-                        walks.due(ns.inode, forced),
-                    );
-                if !walk {
-                    quiet.push(ns.inode);
+                let judged = if forced.contains(&ns.inode) || !sweeps {
+                    None
+                } else {
+                    last.and_then(|w| {
+                        quiet::judge(
+                            procfs::sockstat(),
+                            last_sweep.get(&ns.inode),
+                            w.carried_at(start_ns),
+                            walks.due(ns.inode, forced),
+                        )
+                    })
+                };
+                if let Some(q) = judged {
+                    quiet.push((ns.inode, q));
                 }
-                walk
+                judged.is_none()
             };
             let sockets = self
                 .kernel
                 .for_each_socket_where(&to_walk, must_walk, on_socket)?;
-            let quiet_parts: FxHashMap<u32, usize> = quiet
+            let quiet_parts: Vec<(u32, usize, Quiet)> = quiet
                 .iter()
-                .filter_map(|i| Some((*i, *entered.get(i)?)))
+                .filter_map(|&(i, q)| Some((i, *entered.get(&i)?, q)))
                 .collect();
             // The sweep skips the own namespace's sockets when it was walked.
             let own = spaces.iter().find(|n| n.own).map_or(0, |n| n.inode);
-            let skip = if quiet.contains(&own) { 0 } else { own };
+            let skip = if quiet.iter().any(|(i, _)| *i == own) {
+                0
+            } else {
+                own
+            };
             let (owners, swept) = between::owners_and_between(
                 &mut self.kernel,
                 reuse,
                 &self.walks,
                 skip,
                 &between,
-                quiet_parts,
+                &quiet_parts,
                 look.as_mut(),
                 &mut b,
                 &mut holders,
@@ -372,8 +381,9 @@ impl Scanner {
         all.namespaces += all.quiet + between.len() + kept;
         let mut own_walked = None;
         for (inode, w) in walked {
-            let w = match self.walks.last(inode) {
-                Some(last) if quiet.contains(&inode) => w.after_quiet(last, start_ns),
+            let judged = quiet.iter().find(|(i, _)| *i == inode).map(|(_, q)| *q);
+            let w = match (self.walks.last(inode), judged) {
+                (Some(last), Some(q)) => w.after_quiet(last, start_ns, q),
                 _ => {
                     if spaces.iter().any(|n| n.own && n.inode == inode) {
                         own_walked = Some((inode, own_walk));

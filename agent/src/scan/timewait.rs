@@ -1,7 +1,7 @@
 //! What a walk's TIME_WAIT sockets do between walks (plain data, no kernel access): each lives
 //! a fixed 60 s from the kernel's stamp of its entry (`tw_entry_ms`, 6.13+), so a scan can
 //! tell which of those a walk read are still alive without visiting them, and carry them
-//! while the kernel's count of timewait sockets agrees (see `walk::worth_walking`).
+//! while the kernel's count of timewait sockets agrees (see `quiet::judge`).
 use connreap_ebpf::{sock_flags, tcp_state, SockRecord};
 
 use super::walk::TCP_SYN_RECV;
@@ -9,6 +9,11 @@ use super::walk::TCP_SYN_RECV;
 /// Whether a walk's record is a timewait socket (not a full socket, not a request socket).
 pub fn is_timewait(r: &SockRecord) -> bool {
     r.flags & sock_flags::FULL == 0 && r.state != TCP_SYN_RECV
+}
+
+/// Whether a walk's record is a TIME_WAIT socket with the kernel's stamp of its entry.
+pub fn stamped(r: &SockRecord) -> bool {
+    r.state == tcp_state::TIME_WAIT && r.flags & sock_flags::TW_ENTRY != 0
 }
 
 /// How long a TIME_WAIT socket lives: `TCP_TIMEWAIT_LEN`, a kernel constant (no sysctl).
@@ -24,7 +29,7 @@ const TIMEWAIT_EARLY_MS: u32 = 1_000;
 /// timer's expiry; None otherwise, and for a timewait socket in FIN_WAIT2 (its timeout is a
 /// sysctl, and it may yet enter TIME_WAIT and live another 60 s).
 pub fn alive(r: &SockRecord, now_ns: u64) -> Option<bool> {
-    if r.state != tcp_state::TIME_WAIT || r.flags & sock_flags::TW_ENTRY == 0 {
+    if !stamped(r) {
         return None;
     }
     // Both are CLOCK_MONOTONIC; the stamp is its low 32 bits in ms.

@@ -14,20 +14,12 @@
 //! socket it lacks (one that predates the tracker), so the sweep sees it from then on.
 //!
 //! A namespace whose walk is due, its own included on every scan, is still only walked when
-//! the walk would read something the sweep does not (`worth_walking`, judged from the
-//! kernel's socket counts): otherwise ("quiet") the sweep reads it, and what its last walk
-//! read that the sweep cannot is carried: the full sockets the table had no room for, and the
-//! TIME_WAIT sockets still alive (a TIME_WAIT socket lives a fixed 60 s from the kernel's
-//! stamp of its entry, 6.13+: `timewait::alive`). So the own namespace stays fresh on every
-//! scan: walked whenever the kernel counts a timewait socket not carried, a request socket, or
-//! a socket the sweep cannot account for, and what it carries re-read by a walk at least once
-//! per `every` scans.
+//! the walk would read something the sweep does not (`quiet::judge`, from the kernel's socket
+//! counts): otherwise the sweep reads it, and what its last walk read that the sweep cannot is
+//! carried. So the own namespace stays fresh on every scan.
 use std::{collections::HashMap, ops::RangeInclusive};
 
 use connreap_ebpf::{sock_flags, tcp_state, SockRecord};
-
-use super::timewait;
-use crate::kernel::procfs::SockStat;
 
 /// What was kept of a namespace's last walk.
 #[derive(Debug, Clone, Default)]
@@ -40,66 +32,6 @@ pub struct Walked {
     pub at_ns: u64,
     /// Its records the sweep cannot read (see [`carried_between`]).
     pub unheld: Vec<SockRecord>,
-}
-
-/// What a namespace's last walk leaves for a scan at some time that the sweep cannot read:
-/// its untracked full sockets, and its timewait sockets alive then (None: one whose fate is
-/// not known, see [`timewait::alive`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Carried {
-    pub untracked: u64,
-    pub timewait: Option<u64>,
-}
-
-impl Carried {
-    /// Nothing carried (never read by this rule: a namespace never walked is walked).
-    pub const NOTHING: Carried = Carried {
-        untracked: 0,
-        timewait: Some(0),
-    };
-}
-
-impl Walked {
-    /// What this walk leaves for a scan at `now_ns`.
-    pub fn carried_at(&self, now_ns: u64) -> Carried {
-        let mut c = Carried::NOTHING;
-        for r in &self.unheld {
-            if untracked(r) {
-                c.untracked += 1;
-            } else if timewait::is_timewait(r) {
-                c.timewait = match (c.timewait, timewait::alive(r, now_ns)) {
-                    (Some(n), Some(true)) => Some(n + 1),
-                    (n, Some(false)) => n,
-                    (None, _) | (_, None) => None,
-                };
-            }
-        }
-        c
-    }
-
-    /// What a quiet scan at `now_ns` (a due walk skipped: see [`worth_walking`]) keeps of
-    /// `last`, the namespace's last real walk, with this scan's sysctls (`self`): what it
-    /// carries (see [`kept_when_quiet`]) and when that was read. Its request sockets are not
-    /// kept: the sweep counted none.
-    pub fn after_quiet(self, last: &Walked, now_ns: u64) -> Walked {
-        Walked {
-            at_ns: last.at_ns,
-            unheld: last
-                .unheld
-                .iter()
-                .filter(|r| kept_when_quiet(r, now_ns))
-                .copied()
-                .collect(),
-            ..self
-        }
-    }
-}
-
-/// Whether a quiet scan at `now_ns` carries a record of the namespace's last walk: an
-/// untracked full socket, or a timewait socket alive then (a quiet scan found the kernel's
-/// count of timewait sockets equal to those alive: see [`worth_walking`]).
-pub fn kept_when_quiet(r: &SockRecord, now_ns: u64) -> bool {
-    untracked(r) || (timewait::is_timewait(r) && timewait::alive(r, now_ns) == Some(true))
 }
 
 /// Which scans walk which namespaces, and the last walk of each.
@@ -200,33 +132,6 @@ impl Swept {
 /// `TCP_SYN_RECV`: how a walk shows a request socket.
 pub(super) const TCP_SYN_RECV: u8 = tcp_state::SYN_RECV;
 
-/// Whether a namespace's walk would read anything the sweep does not, judged from what the
-/// kernel counts in it (`stat`, no socket visited) against what the last sweep read of it and
-/// what its last walk `carried` now: a timewait socket not carried (or a carried one gone
-/// early, or one whose fate is not known), a request socket, or more hashed full sockets than
-/// the sweep read and the untracked ones carried (some have no record in the table: they
-/// predate the tracker, or their set was full, or they are newer than the sweep). With
-/// anything carried, also when fewer are hashed (an untracked one may have closed) and when
-/// its re-read is `due`. Unknown counts: walk.
-pub fn worth_walking(
-    stat: Option<SockStat>,
-    swept: Option<&Swept>,
-    carried: Carried,
-    due: bool,
-) -> bool {
-    match (stat, swept) {
-        (Some(stat), Some(swept)) => {
-            let accounted = swept.sockets + carried.untracked;
-            let carries = carried.untracked > 0 || stat.tw > 0;
-            carried.timewait != Some(stat.tw)
-                || swept.requests > 0
-                || stat.inuse > accounted
-                || (carries && (due || stat.inuse < accounted))
-        }
-        _ => true,
-    }
-}
-
 /// A record read `elapsed_jiffies` ago as it would read now, as far as it can be known: its
 /// time in state and idle times grow by that much (a timewait socket's entry stamp is a clock
 /// value and stays).
@@ -277,6 +182,7 @@ pub fn every(walk: std::time::Duration, scan: std::time::Duration) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::scan::timewait;
     use std::time::Duration;
 
     fn rec(skaddr: u64, inode: u64, flags: u8) -> SockRecord {
@@ -357,77 +263,6 @@ mod tests {
         assert_eq!(jiffies(2_000_000_000, 250), 500);
     }
 
-    fn carrying(untracked: u64, timewait: Option<u64>) -> Carried {
-        Carried {
-            untracked,
-            timewait,
-        }
-    }
-
-    #[test]
-    fn a_due_walk_is_skipped_only_when_the_sweep_read_everything() {
-        let stat = |inuse, tw| Some(SockStat { inuse, tw });
-        let swept = |sockets, requests| Swept { sockets, requests };
-        let none = Carried::NOTHING;
-        let walk = |st, sw, carried, due| worth_walking(st, Some(&sw), carried, due);
-        assert!(!walk(stat(1001, 0), swept(1001, 0), none, true));
-        // The sweep read more than were hashed then (a socket since closed): nothing missed.
-        assert!(!walk(stat(990, 0), swept(1001, 0), none, true));
-        assert!(walk(stat(1001, 3), swept(1001, 0), none, true), "timewait");
-        assert!(walk(stat(1001, 0), swept(1001, 2), none, true), "requests");
-        assert!(walk(stat(1002, 0), swept(1001, 0), none, true), "untracked");
-        assert!(
-            worth_walking(None, Some(&swept(1, 0)), none, true),
-            "no sockstat"
-        );
-        assert!(worth_walking(stat(0, 0), None, none, true), "never swept");
-    }
-
-    #[test]
-    fn carried_sockets_are_re_read_when_due_or_when_one_may_have_closed() {
-        let stat = |inuse| Some(SockStat { inuse, tw: 0 });
-        let swept = Swept {
-            sockets: 1000,
-            requests: 0,
-        };
-        let ten = carrying(10, Some(0));
-        // 10 untracked carried: 1010 hashed is all accounted for until the re-read is due.
-        assert!(!worth_walking(stat(1010), Some(&swept), ten, false));
-        assert!(worth_walking(stat(1010), Some(&swept), ten, true), "due");
-        assert!(
-            worth_walking(stat(1011), Some(&swept), ten, false),
-            "a new one"
-        );
-        assert!(
-            worth_walking(stat(1009), Some(&swept), ten, false),
-            "one closed: maybe a carried one"
-        );
-        // Without anything carried, a due turn alone is no reason.
-        assert!(!worth_walking(
-            stat(1000),
-            Some(&swept),
-            Carried::NOTHING,
-            true
-        ));
-    }
-
-    #[test]
-    fn carried_timewait_sockets_stand_in_while_the_kernel_counts_as_many() {
-        let stat = |tw| Some(SockStat { inuse: 1000, tw });
-        let swept = Swept {
-            sockets: 1000,
-            requests: 0,
-        };
-        let walk = |tw, carried, due| worth_walking(stat(tw), Some(&swept), carried, due);
-        assert!(!walk(3, carrying(0, Some(3)), false), "the same 3");
-        assert!(walk(4, carrying(0, Some(3)), false), "a new one");
-        assert!(walk(2, carrying(0, Some(3)), false), "one gone early");
-        assert!(walk(3, carrying(0, None), false), "one near its end");
-        assert!(walk(3, carrying(0, Some(3)), true), "re-read due");
-        // All gone, as predicted: nothing carried, nothing counted.
-        assert!(!walk(0, carrying(0, Some(0)), true));
-    }
-
     #[test]
     fn a_walk_counts_what_the_sweep_would_read() {
         let mut s = Swept::default();
@@ -450,44 +285,6 @@ mod tests {
             !timewait::is_timewait(&request)
                 && timewait::is_timewait(&rec(3, 0, sock_flags::TW_ENTRY))
         );
-    }
-
-    #[test]
-    fn a_quiet_scan_keeps_what_it_carries_and_when_that_was_read() {
-        let tw = |skaddr, stamp_ms| SockRecord {
-            state: tcp_state::TIME_WAIT,
-            tw_entry_ms: stamp_ms,
-            ..rec(skaddr, 0, sock_flags::TW_ENTRY)
-        };
-        let request = SockRecord {
-            state: TCP_SYN_RECV,
-            ..rec(4, 0, 0)
-        };
-        let last = Walked {
-            at_ns: 5,
-            unheld: vec![
-                rec(1, 0, sock_flags::FULL | sock_flags::UNTRACKED),
-                tw(2, 50_000),
-                tw(3, 1_000),
-                request,
-            ],
-            ..Walked::default()
-        };
-        // At 70 s: 2 is alive (20 s old), 3 is gone (69 s old).
-        let now = 70_000 * 1_000_000;
-        assert_eq!(last.carried_at(now), carrying(1, Some(1)));
-        let fresh = Walked {
-            at_ns: now,
-            ephemeral: Some(1000..=2000),
-            ..Walked::default()
-        };
-        let kept = fresh.after_quiet(&last, now);
-        assert_eq!(kept.at_ns, 5);
-        let addrs: Vec<u64> = kept.unheld.iter().map(|r| r.skaddr).collect();
-        assert_eq!(addrs, vec![1, 2]);
-        assert_eq!(kept.ephemeral, Some(1000..=2000));
-        // 3 at 61 s: its end not known yet.
-        assert_eq!(last.carried_at(62_000 * 1_000_000).timewait, None);
     }
 
     #[test]
