@@ -233,6 +233,7 @@ impl Scanner {
                         keepalive,
                         at_ns: start_ns,
                         unheld: Vec::new(),
+                        transitions: counts.as_ref().map(|c| c.transitions),
                     },
                 ));
             }
@@ -323,11 +324,15 @@ impl Scanner {
                     None
                 } else {
                     last.and_then(|w| {
+                        // No TCP state transition on the host since its walk's scan began.
+                        let settled = w.transitions.is_some()
+                            && w.transitions == counts.as_ref().map(|c| c.transitions);
                         quiet::judge(
                             procfs::sockstat(),
                             last_sweep.get(&ns.inode),
-                            w.carried_at(start_ns),
+                            &w.carried_at(start_ns),
                             walks.due(ns.inode, forced),
+                            settled,
                         )
                     })
                 };

@@ -24,6 +24,12 @@ const TIMEWAIT_LATE_MS: u32 = 6_000;
 /// How early it may seem to die: the stamp is taken just before the timer is armed.
 const TIMEWAIT_EARLY_MS: u32 = 1_000;
 
+/// Milliseconds since a TIME_WAIT socket's stamp, at `now_ns` (a stamp ahead of now: above
+/// `u32::MAX / 2`). Both are CLOCK_MONOTONIC; the stamp is its low 32 bits in ms.
+pub fn age_ms(r: &SockRecord, now_ns: u64) -> u32 {
+    ((now_ns / 1_000_000) as u32).wrapping_sub(r.tw_entry_ms)
+}
+
 /// Whether a walk's TIME_WAIT socket is still alive at `now_ns` (CLOCK_MONOTONIC): known only
 /// from the kernel's stamp of its entry (`TW_ENTRY`, 6.13+) and outside the seconds around its
 /// timer's expiry; None otherwise, and for a timewait socket in FIN_WAIT2 (its timeout is a
@@ -32,8 +38,7 @@ pub fn alive(r: &SockRecord, now_ns: u64) -> Option<bool> {
     if !stamped(r) {
         return None;
     }
-    // Both are CLOCK_MONOTONIC; the stamp is its low 32 bits in ms.
-    let age = ((now_ns / 1_000_000) as u32).wrapping_sub(r.tw_entry_ms);
+    let age = age_ms(r, now_ns);
     if age > u32::MAX / 2 {
         // A stamp ahead of now: it entered just now.
         Some(true)

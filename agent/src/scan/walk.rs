@@ -32,6 +32,9 @@ pub struct Walked {
     pub at_ns: u64,
     /// Its records the sweep cannot read (see [`carried_between`]).
     pub unheld: Vec<SockRecord>,
+    /// The tracker's count of TCP state transitions (the host's) when that walk's scan began,
+    /// if read: while it stays, no timewait socket has been made since (see `quiet::judge`).
+    pub transitions: Option<u64>,
 }
 
 /// Which scans walk which namespaces, and the last walk of each.
