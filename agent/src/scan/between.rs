@@ -73,6 +73,19 @@ pub(super) fn owners_and_between(
             b.begin_namespace(netns_row(ns, keepalive), ephemeral),
         )
     }));
+    // The carried full sockets (untracked when walked) of the namespaces read here: one the
+    // sweep reads now has a record in the table, and its fresh row replaces the carried one.
+    // Only those are looked up (a handful), not every swept socket.
+    let carried_full: FxHashSet<u64> = parts
+        .keys()
+        .filter_map(|inode| walks.last(*inode))
+        .flat_map(|w| {
+            w.unheld
+                .iter()
+                .filter(|r| walk::untracked(r))
+                .map(|r| r.skaddr)
+        })
+        .collect();
     let mut swept = FxHashSet::default();
     let mut per_netns: FxHashMap<u32, Swept> = FxHashMap::default();
     // Sockets of namespaces this scan does not know, by address: for the look.
@@ -80,7 +93,9 @@ pub(super) fn owners_and_between(
     let sweep = kernel.sweep(skip, |r| {
         per_netns.entry(r.netns).or_default().add(r);
         if let Some(&part) = parts.get(&r.netns) {
-            swept.insert(r.sock.skaddr);
+            if carried_full.contains(&r.sock.skaddr) {
+                swept.insert(r.sock.skaddr);
+            }
             b.push_in(part, &r.sock);
         } else if look.as_ref().is_some_and(|l| !l.knows(r.netns)) {
             unknown.insert(r.sock.skaddr, *r);
