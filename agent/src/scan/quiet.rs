@@ -201,6 +201,21 @@ mod tests {
     const SURE: Option<Quiet> = Some(Quiet::SURE);
     const ALL: Option<Quiet> = Some(Quiet::ALL);
 
+    /// `judge` for 1000 hashed sockets, all swept, and `tw` timewait sockets counted.
+    fn judged_tw(tw: u64, carried: &Carried, due: bool, settled: bool) -> Option<Quiet> {
+        let swept = Swept {
+            sockets: 1000,
+            requests: 0,
+        };
+        judge(
+            Some(SockStat { inuse: 1000, tw }),
+            Some(&swept),
+            carried,
+            due,
+            settled,
+        )
+    }
+
     #[test]
     fn a_due_walk_is_skipped_only_when_the_sweep_read_everything() {
         let stat = |inuse, tw| Some(SockStat { inuse, tw });
@@ -258,13 +273,7 @@ mod tests {
 
     #[test]
     fn carried_timewait_sockets_stand_in_while_the_kernel_counts_as_many() {
-        let stat = |tw| Some(SockStat { inuse: 1000, tw });
-        let swept = Swept {
-            sockets: 1000,
-            requests: 0,
-        };
-        let judged =
-            |tw, carried: &Carried, due| judge(stat(tw), Some(&swept), carried, due, false);
+        let judged = |tw, carried: &Carried, due| judged_tw(tw, carried, due, false);
         let three = carrying(0, 3, &[]);
         assert_eq!(judged(3, &three, false), SURE, "the same 3");
         assert_eq!(judged(4, &three, false), None, "a new one");
@@ -282,14 +291,9 @@ mod tests {
 
     #[test]
     fn unsure_timewait_sockets_are_settled_by_the_count_when_it_can() {
-        let stat = |tw| Some(SockStat { inuse: 1000, tw });
-        let swept = Swept {
-            sockets: 1000,
-            requests: 0,
-        };
         // 2 sure alive; 3 unsure, 59.5 s, 61 s and 63 s after their stamps.
         let c = carrying(0, 2, &[59_500, 61_000, 63_000]);
-        let judged = |tw, settled| judge(stat(tw), Some(&swept), &c, false, settled);
+        let judged = |tw, settled| judged_tw(tw, &c, false, settled);
         assert_eq!(judged(2, false), SURE, "the 3 unsure ended");
         assert_eq!(judged(5, false), ALL, "the 3 unsure still alive");
         assert_eq!(judged(6, true), None, "a new one");
@@ -309,7 +313,7 @@ mod tests {
         assert_eq!(judged(4, true), below(63_000));
         // Two made too close together to tell which was armed first.
         let close = carrying(0, 0, &[60_000, 60_010]);
-        assert_eq!(judge(stat(1), Some(&swept), &close, false, true), None);
+        assert_eq!(judged_tw(1, &close, false, true), None);
     }
 
     #[test]
