@@ -21,7 +21,10 @@ const TIMEWAIT_LIFE_MS: u32 = 60_000;
 /// How late its timer may fire: the timer wheel rounds a 60 s timeout up to its level's
 /// granularity, 512 jiffies at HZ 100 to 1000 (5.12 s at HZ 100); plus a margin.
 const TIMEWAIT_LATE_MS: u32 = 6_000;
-/// How early it may seem to die: the stamp is taken just before the timer is armed.
+/// How early it may seem to die. The stamp is the socket's clock as of its last refresh
+/// (`tcp_mstamp`, usually its last send), so it can precede the timer's arming by up to a
+/// round trip, more when the peer's FIN came late: such a socket outlives `gone` (a quiet
+/// scan's count then differs and it walks; between walks its row leaves early).
 const TIMEWAIT_EARLY_MS: u32 = 1_000;
 
 /// Milliseconds since a TIME_WAIT socket's stamp, at `now_ns` (a stamp ahead of now: above
